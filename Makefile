@@ -1,0 +1,32 @@
+# Two commands set up everything on a fresh machine: `make serve` and `make test`.
+VENV    ?= .venv
+PYTHON  ?= python3
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed-stamp
+export LITELLM_LOCAL_MODEL_COST_MAP := True
+
+.PHONY: install serve test lint bench-gateway clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# torch==2.13.0 resolves to the CPU build on this machine; see README for CUDA.
+	$(BIN)/pip install --quiet -e '.[engine,dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/switchyard serve $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check gateway router hosted kernels tests bench
+
+bench-gateway: $(STAMP)
+	$(BIN)/python bench/gateway_overhead.py
+
+clean:
+	rm -rf $(VENV) data .pytest_cache

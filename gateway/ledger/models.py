@@ -1,0 +1,77 @@
+"""The ledger schema, defined once: SQLAlchemy tables that Alembic migrations create.
+
+Every column an analyst filters on is typed; nothing of interest hides in JSON.
+"""
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import BigInteger, Boolean, DateTime, Float, Index, Integer, String, Text
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class RequestRow(Base):
+    """One row per request that reached the gateway (served, failed, closed or rejected)."""
+
+    __tablename__ = "requests"
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
+    request_id: Mapped[str] = mapped_column(String(64), unique=True, nullable=False)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    api_key_id: Mapped[str | None] = mapped_column(String(64))
+    team: Mapped[str | None] = mapped_column(String(128))
+    endpoint: Mapped[str] = mapped_column(String(32), nullable=False, default="chat.completions")
+    requested_model: Mapped[str] = mapped_column(String(256), nullable=False)
+    route: Mapped[str | None] = mapped_column(String(256))
+    backend: Mapped[str | None] = mapped_column(String(128))
+    served_model: Mapped[str | None] = mapped_column(String(256))
+    stream: Mapped[bool] = mapped_column(Boolean, nullable=False, default=False)
+    prompt_tokens: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    cached_prompt_tokens: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    completion_tokens: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    input_cost_usd: Mapped[float] = mapped_column(Float, nullable=False, default=0.0)
+    output_cost_usd: Mapped[float] = mapped_column(Float, nullable=False, default=0.0)
+    cost_usd: Mapped[float] = mapped_column(Float, nullable=False, default=0.0)
+    cost_basis: Mapped[str | None] = mapped_column(String(32))  # api_price | gpu_amortized
+    gpu_seconds: Mapped[float | None] = mapped_column(Float)
+    counterfactual_cost_usd: Mapped[float | None] = mapped_column(Float)
+    ttft_ms: Mapped[float | None] = mapped_column(Float)
+    latency_ms: Mapped[float | None] = mapped_column(Float)
+    status: Mapped[str] = mapped_column(String(32), nullable=False)  # ok | error | client_closed | rejected
+    error_type: Mapped[str | None] = mapped_column(String(64))
+    http_status: Mapped[int | None] = mapped_column(Integer)
+    attempts: Mapped[int] = mapped_column(Integer, nullable=False, default=1)
+    policy_version: Mapped[str | None] = mapped_column(String(64))
+    price_table_version: Mapped[str | None] = mapped_column(String(64))
+    difficulty: Mapped[float | None] = mapped_column(Float)
+    threshold: Mapped[float | None] = mapped_column(Float)
+    route_reason: Mapped[str | None] = mapped_column(String(64))
+    prompt_text: Mapped[str | None] = mapped_column(Text)  # only when the policy opts in
+    completion_text: Mapped[str | None] = mapped_column(Text)  # only when the policy opts in
+
+    __table_args__ = (
+        Index("ix_requests_created_at", "created_at"),
+        Index("ix_requests_team_created_at", "team", "created_at"),
+        Index("ix_requests_backend_created_at", "backend", "created_at"),
+        Index("ix_requests_api_key_id", "api_key_id"),
+    )
+
+
+class ApiKey(Base):
+    """A client key. Only its SHA-256 hash is stored."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)  # public id, e.g. "key_3f9a…"
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True, nullable=False)
+    team: Mapped[str] = mapped_column(String(128), nullable=False)
+    budget_usd: Mapped[float | None] = mapped_column(Float)
+    rpm: Mapped[int | None] = mapped_column(Integer)
+    tpm: Mapped[int | None] = mapped_column(Integer)
+    is_admin: Mapped[bool] = mapped_column(Boolean, nullable=False, default=False)
+    revoked: Mapped[bool] = mapped_column(Boolean, nullable=False, default=False)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)

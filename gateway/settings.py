@@ -1,0 +1,31 @@
+"""Process-wide settings read from the environment, with the project's defaults."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_POLICY = PROJECT_ROOT / "policies" / "default.yaml"
+
+
+def data_dir() -> Path:
+    """Where SQLite files, the ledger spool and other local state live (./data by default)."""
+    return Path(os.environ.get("SWITCHYARD_DATA_DIR", "data"))
+
+
+def database_url(cli_value: str | None = None) -> str:
+    """CLI flag, then SWITCHYARD_DATABASE_URL, then a SQLite file under ./data/."""
+    if cli_value:
+        return cli_value
+    env = os.environ.get("SWITCHYARD_DATABASE_URL")
+    if env:
+        return env
+    return f"sqlite:///{data_dir() / 'switchyard.db'}"
+
+
+def master_key() -> str | None:
+    return os.environ.get("SWITCHYARD_MASTER_KEY") or None
+
+
+def load_dotenv_defaults() -> None:
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")

@@ -1,0 +1,1 @@
+"""Switchyard in-house inference engine (PyTorch)."""

@@ -1,0 +1,1 @@
+"""Switchyard router: difficulty scoring and routing decisions. No network, no torch."""
