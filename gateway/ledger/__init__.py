@@ -1,0 +1,1 @@
+"""The cost ledger: schema (models.py), one request's row (record.py), the batch writer (writer.py)."""

@@ -1,0 +1,175 @@
+"""Database plumbing: URL normalisation, the async engine, and schema upgrades via Alembic.
+
+Users give plain URLs (`sqlite:///data/x.db`, `postgresql://u@h/db`); the gateway talks to them
+through async drivers (aiosqlite, asyncpg) while Alembic uses sync ones (sqlite3, psycopg).
+Migrations are the only way the schema is created.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import event
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+# migrations/ is a top-level directory of the repository, next to gateway/, not a package.
+# An editable install (`pip install -e .`) resolves gateway/ to the checkout, so the sibling
+# directory is found; other layouts point SWITCHYARD_MIGRATIONS_DIR at a copy of migrations/.
+MIGRATIONS_ENV = "SWITCHYARD_MIGRATIONS_DIR"
+SQLITE_BUSY_TIMEOUT_MS = 10_000
+
+
+def _split_scheme(url: str) -> tuple[str, str]:
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        raise ValueError(f"not a database URL (expected scheme://…): {url!r}")
+    return scheme.lower(), rest
+
+
+def async_url(url: str) -> str:
+    """The same database, addressed through an async driver; URLs naming a driver pass through."""
+    scheme, rest = _split_scheme(url)
+    dialect, plus, driver = scheme.partition("+")
+    if dialect == "postgres":  # Heroku-style alias SQLAlchemy no longer accepts
+        dialect = "postgresql"
+    if plus:
+        return f"{dialect}+{driver}://{rest}"
+    if dialect == "sqlite":
+        return f"sqlite+aiosqlite://{rest}"
+    if dialect == "postgresql":
+        return f"postgresql+asyncpg://{rest}"
+    return url
+
+
+def sync_url(url: str) -> str:
+    """The same database through a sync driver, for Alembic: sqlite3 or psycopg (v3)."""
+    scheme, rest = _split_scheme(url)
+    dialect = scheme.partition("+")[0]
+    if dialect == "sqlite":
+        return f"sqlite://{rest}"
+    if dialect in ("postgresql", "postgres"):
+        return f"postgresql+psycopg://{rest}"
+    return url
+
+
+def is_sqlite(url: str) -> bool:
+    return _split_scheme(url)[0].startswith("sqlite")
+
+
+def ensure_sqlite_dir(url: str) -> None:
+    """Create the parent directory of a SQLite file (no-op for memory DBs and other dialects)."""
+    if not is_sqlite(url):
+        return
+    database = make_url(url).database
+    if database and database != ":memory:" and not database.startswith("file:"):
+        Path(database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+
+
+def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+    # WAL lets the batch writer and readers (keys, reports, dashboard) work at the same time;
+    # the busy timeout makes a second writer wait instead of failing with "database is locked".
+    cur = dbapi_connection.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+    cur.execute("PRAGMA synchronous=NORMAL")
+    cur.close()
+
+
+def create_engine(url: str, **kwargs: Any) -> AsyncEngine:
+    """An AsyncEngine for a plain or async URL. Extra kwargs go to `create_async_engine`."""
+    aurl = async_url(url)
+    options: dict[str, Any] = {"pool_pre_ping": True}
+    if is_sqlite(aurl):
+        ensure_sqlite_dir(aurl)
+        connect_args = {"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}
+    elif aurl.startswith("postgresql+asyncpg"):
+        # Fail fast when the server is unreachable rather than asyncpg's 60 s default.
+        connect_args = {"timeout": 10}
+    else:
+        connect_args = {}
+    connect_args.update(kwargs.pop("connect_args", {}))
+    options["connect_args"] = connect_args
+    options.update(kwargs)
+    engine = create_async_engine(aurl, **options)
+    if is_sqlite(aurl):
+        event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
+    return engine
+
+
+def migrations_dir() -> Path:
+    """Locate migrations/: $SWITCHYARD_MIGRATIONS_DIR, else the repository checkout next to gateway/."""
+    override = os.environ.get(MIGRATIONS_ENV)
+    candidates = [Path(override)] if override else []
+    candidates.append(Path(__file__).resolve().parent.parent / "migrations")
+    for path in candidates:
+        if (path / "env.py").is_file():
+            return path
+    tried = ", ".join(str(p) for p in candidates)
+    raise FileNotFoundError(
+        f"Alembic migrations not found (tried {tried}). Install switchyard from a checkout "
+        f"(`pip install -e .`) or set {MIGRATIONS_ENV} to the repository's migrations/ directory."
+    )
+
+
+def alembic_config(url: str):  # -> alembic.config.Config (imported lazily: only upgrades need it)
+    """An Alembic Config built in code: no alembic.ini, works from any working directory."""
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(migrations_dir()))
+    # Passed as an attribute, not an ini option: ini values go through %-interpolation, which
+    # would mangle URL-encoded passwords.
+    cfg.attributes["database_url"] = sync_url(url)
+    return cfg
+
+
+def upgrade(url: str, revision: str = "head") -> None:
+    """Apply migrations up to `revision`. Idempotent; safe to call at every start."""
+    from alembic import command
+
+    ensure_sqlite_dir(url)
+    command.upgrade(alembic_config(url), revision)
+
+
+def current_revision(url: str) -> str | None:
+    """The revision the database is at (None if never migrated)."""
+    from alembic.runtime.migration import MigrationContext
+    from sqlalchemy import create_engine as create_sync_engine
+
+    engine = create_sync_engine(sync_url(url))
+    try:
+        with engine.connect() as conn:
+            return MigrationContext.configure(conn).get_current_revision()
+    finally:
+        engine.dispose()
+
+
+def head_revision() -> str | None:
+    from alembic.script import ScriptDirectory
+
+    return ScriptDirectory(str(migrations_dir())).get_current_head()
+
+
+def _redact(url: str) -> str:
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001 - only for display
+        return "<database url>"
+
+
+def cli_upgrade(args: argparse.Namespace) -> int:
+    """`switchyard db upgrade [--database-url URL]`."""
+    from gateway import settings
+
+    url = settings.database_url(getattr(args, "database_url", None))
+    try:
+        upgrade(url)
+    except Exception as exc:  # noqa: BLE001 - report any failure as a clear CLI error
+        print(f"switchyard db upgrade: failed on {_redact(url)}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    print(f"database {_redact(url)} is at revision {current_revision(url)} (head)")
+    return 0
