@@ -1,0 +1,20 @@
+"""Prometheus metrics of the gateway's request path (served at /metrics)."""
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+REQUESTS = Counter("switchyard_requests_total", "Requests by route, backend and status",
+                   ["route", "backend", "status"])
+AUTH_FAILURES = Counter("switchyard_auth_failures_total", "Requests rejected for a missing or bad key")
+LATENCY = Histogram("switchyard_request_latency_seconds", "End-to-end request latency", ["route", "backend"],
+                    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
+TTFT = Histogram("switchyard_ttft_seconds", "Time to first token (streamed) or to the response", ["route", "backend"],
+                 buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+TOKENS = Counter("switchyard_tokens_total", "Tokens by backend and kind (prompt, cached_prompt, completion)",
+                 ["backend", "kind"])
+COST = Counter("switchyard_cost_usd_total", "Cost in USD by backend and basis", ["backend", "basis"])
+IN_FLIGHT = Gauge("switchyard_requests_in_flight", "Requests being served now")
+BREAKER_STATE = Gauge("switchyard_backend_circuit_state", "Circuit breaker: 0 closed, 1 open, 2 half-open",
+                      ["backend"])
+POLICY_INFO = Gauge("switchyard_policy_version_info", "The live policy version (value 1)", ["version"])
+ENGINE_RESTARTS = Counter("switchyard_embedded_engine_restarts_total", "Embedded engine restarts", ["backend"])
