@@ -1,0 +1,208 @@
+"""The only kernel entry points the engine calls: one dispatch layer over Triton and the torch reference.
+
+Dispatch (read per call, so tests can flip it):
+  SWITCHYARD_KERNELS unset/"auto": CUDA tensors -> Triton (when triton imports), anything else -> the
+                                    plain-torch reference or torch's own fast CPU op.
+  SWITCHYARD_KERNELS=triton:        Triton always (on CPU this needs TRITON_INTERPRET=1 and is slow).
+  SWITCHYARD_KERNELS=reference:     the reference always.
+
+Layouts: see kernels/reference.py (KV cache [num_blocks, block_size, num_kv_heads, head_dim]).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from types import ModuleType
+
+import torch
+
+from kernels import reference
+
+_MODES = ("auto", "triton", "reference")
+
+
+def backend_mode() -> str:
+    mode = os.environ.get("SWITCHYARD_KERNELS", "auto").strip().lower() or "auto"
+    if mode not in _MODES:
+        raise ValueError(f"SWITCHYARD_KERNELS={mode!r} is not one of {', '.join(_MODES)}")
+    return mode
+
+
+@functools.cache
+def _triton_module() -> ModuleType | None:
+    try:
+        from kernels import triton_ops
+    except ImportError:  # no triton on this platform
+        return None
+    return triton_ops
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    mode = backend_mode()
+    if mode == "reference":
+        return False
+    if mode == "triton":
+        if _triton_module() is None:
+            raise RuntimeError("SWITCHYARD_KERNELS=triton but triton is not importable")
+        return True
+    return t.is_cuda and _triton_module() is not None
+
+
+def active_backend(t: torch.Tensor) -> str:
+    """'triton' or 'reference': what a call with tensors on t's device would run."""
+    return "triton" if _use_triton(t) else "reference"
+
+
+# --------------------------------------------------------------------------- KV cache
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """In place: k_cache/v_cache slot slot_mapping[t] <- key[t]/value[t]; slot < 0 is skipped."""
+    if key.shape != value.shape or key.dim() != 3 or key.shape[0] != slot_mapping.shape[0]:
+        raise ValueError(
+            f"store_kv: key {tuple(key.shape)}, value {tuple(value.shape)}, "
+            f"slot_mapping {tuple(slot_mapping.shape)} do not agree"
+        )
+    if _use_triton(key):
+        _triton_module().store_kv(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        reference.store_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def _check_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"attention: q {tuple(q.shape)} must be [*, Hq, D] and caches "
+            f"{tuple(k_cache.shape)}/{tuple(v_cache.shape)} [num_blocks, block_size, Hkv, D]"
+        )
+    if q.shape[-1] != k_cache.shape[-1] or q.shape[1] % k_cache.shape[2]:
+        raise ValueError(
+            f"attention: head_dim {q.shape[-1]} vs {k_cache.shape[-1]}, or Hq {q.shape[1]} "
+            f"not a multiple of Hkv {k_cache.shape[2]}"
+        )
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q [B, Hq, D]; seq b attends to positions 0..context_lens[b]-1 through block_tables [B, max_blocks]."""
+    _check_attention(q, k_cache, v_cache)
+    if _use_triton(q):
+        return _triton_module().paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Packed new tokens q [Tq, Hq, D] with causal attention over cached prefix + themselves."""
+    _check_attention(q, k_cache, v_cache)
+    if _use_triton(q):
+        return _triton_module().paged_prefill_attention(
+            q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale
+        )
+    return reference.paged_prefill_attention(
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale
+    )
+
+
+# --------------------------------------------------------------------------- norm + rotary
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """out = rmsnorm(x); with residual: (rmsnorm(x + residual), x + residual). Output in x.dtype."""
+    if _use_triton(x):
+        return _triton_module().rms_norm(x, weight, eps, residual)
+    return reference.rms_norm(x, weight, eps, residual)
+
+
+def rotary_cos_sin(
+    head_dim: int,
+    max_position: int,
+    base: float,
+    scaling: dict | None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """[max_position, head_dim] fp32 table: first half cos, second half sin (built once, on CPU)."""
+    return reference.rotary_cos_sin(head_dim, max_position, base, scaling, device)
+
+
+def apply_rotary(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [T, Hq, D] and k [T, Hkv, D] at positions [T] (HF rotate_half style); new tensors."""
+    if _use_triton(q):
+        return _triton_module().apply_rotary(q, k, positions, cos_sin)
+    return reference.apply_rotary(q, k, positions, cos_sin)
+
+
+# --------------------------------------------------------------------------- quantized linear
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return reference.quantize_int8(w)
+
+
+def quantize_int4(
+    w: torch.Tensor, group_size: int, symmetric: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    return reference.quantize_int4(w, group_size, symmetric)
+
+
+def int8_linear(
+    x: torch.Tensor,
+    w_q: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ (w_q [N, K] * scales[:, None]).T (+ bias) -> [M, N] in x.dtype."""
+    if _use_triton(x):
+        return _triton_module().int8_linear(x, w_q, scales, bias)
+    if backend_mode() == "auto" and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2:
+        # torch's own CPU int8 weight-only GEMM: no dequantized copy of the weight per call.
+        out = torch.ops.aten._weight_int8pack_mm(x.contiguous(), w_q.contiguous(), scales.float())
+        return out if bias is None else out + bias
+    return reference.int8_linear(x, w_q, scales, bias)
+
+
+def int4_linear(
+    x: torch.Tensor,
+    w_packed: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ dequant(w_packed [N, K//2]).T (+ bias) -> [M, N] in x.dtype."""
+    if _use_triton(x):
+        return _triton_module().int4_linear(x, w_packed, scales, zeros, group_size, bias)
+    return reference.int4_linear(x, w_packed, scales, zeros, group_size, bias)

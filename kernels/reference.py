@@ -1,0 +1,320 @@
+"""Plain-torch references for every kernel in kernels/ops.py (same signatures, same layouts).
+
+These are the CPU path of the engine as well as the ground truth the Triton kernels are tested
+against, so they are written to be both exact (fp32 math) and reasonably fast on CPU: batched
+gathers via index_select and one matmul/SDPA per call instead of Python loops where possible.
+
+KV cache layout per layer: [num_blocks, block_size, num_kv_heads, head_dim];
+slot = block_id * block_size + offset_in_block.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+INT4_GROUP_SIZES = (32, 64, 128)
+
+
+# --------------------------------------------------------------------------- KV cache write
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter key/value [T, Hkv, D] into the caches at slot_mapping [T]; slots < 0 are skipped."""
+    block_size = k_cache.shape[1]
+    slots = slot_mapping.to(torch.int64)
+    if bool((slots < 0).any()):
+        keep = slots >= 0
+        key, value, slots = key[keep], value[keep], slots[keep]
+    if slots.numel() == 0:
+        return
+    block_ids = torch.div(slots, block_size, rounding_mode="floor")
+    offsets = slots - block_ids * block_size
+    # Advanced-index assignment works on any strided cache (no flattening view needed).
+    k_cache[block_ids, offsets] = key.to(k_cache.dtype)
+    v_cache[block_ids, offsets] = value.to(v_cache.dtype)
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def _gather_kv(
+    cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int
+) -> torch.Tensor:
+    """Gather the blocks in block_ids [..., nblk] -> [..., nblk * block_size, Hkv, D] (first num_tokens)."""
+    _, block_size, num_kv_heads, head_dim = cache.shape
+    flat = cache.index_select(0, block_ids.reshape(-1))
+    out = flat.view(*block_ids.shape[:-1], block_ids.shape[-1] * block_size, num_kv_heads, head_dim)
+    return out[..., :num_tokens, :, :]
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence: q [B, Hq, D] attends to positions 0..context_lens[b]-1 -> [B, Hq, D]."""
+    batch, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_q_heads // num_kv_heads
+    if batch == 0:
+        return torch.empty_like(q)
+    lens = context_lens.to(torch.int64)
+    max_len = int(lens.max())
+    if max_len <= 0:
+        return torch.zeros_like(q)
+    nblk = -(-max_len // block_size)
+    # Entries past a sequence's own blocks may hold anything: point them at block 0.
+    needed = torch.div(lens + block_size - 1, block_size, rounding_mode="floor")
+    table = block_tables[:, :nblk].to(torch.int64)
+    table = torch.where(torch.arange(nblk, device=q.device)[None, :] < needed[:, None], table, 0)
+    k = _gather_kv(k_cache, table, nblk * block_size)  # [B, L, Hkv, D]
+    v = _gather_kv(v_cache, table, nblk * block_size)
+    length = nblk * block_size
+
+    qf = q.float().view(batch, num_kv_heads, group, head_dim)
+    kf = k.float().permute(0, 2, 3, 1)  # [B, Hkv, D, L]
+    scores = torch.matmul(qf, kf).mul_(scale)  # [B, Hkv, G, L]
+    pad = torch.arange(length, device=q.device)[None, :] >= lens[:, None]  # [B, L]
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    vf = v.float().permute(0, 2, 1, 3)  # [B, Hkv, L, D]
+    out = torch.matmul(probs, vf).view(batch, num_q_heads, head_dim)
+    if bool((lens <= 0).any()):
+        out = out.masked_fill((lens <= 0)[:, None, None], 0.0)
+    return out.to(q.dtype)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Packed new tokens q [Tq, Hq, D]; token i of seq b sits at absolute position
+    context_lens[b] - q_len_b + i and attends causally to every position <= its own."""
+    block_size = k_cache.shape[1]
+    out = torch.empty_like(q)
+    cu = cu_seqlens_q.tolist()
+    lens = context_lens.tolist()
+    tables = block_tables.to(torch.int64)
+    for b, ctx in enumerate(lens):
+        start, end = cu[b], cu[b + 1]
+        q_len = end - start
+        if q_len == 0:
+            continue
+        if ctx < q_len:
+            raise ValueError(f"sequence {b}: context_len {ctx} < number of new tokens {q_len}")
+        nblk = -(-ctx // block_size)
+        k = _gather_kv(k_cache, tables[b, :nblk], ctx).float().transpose(0, 1)  # [Hkv, ctx, D]
+        v = _gather_kv(v_cache, tables[b, :nblk], ctx).float().transpose(0, 1)
+        qb = q[start:end].float().transpose(0, 1)  # [Hq, q_len, D]
+        if ctx == q_len:
+            ob = F.scaled_dot_product_attention(
+                qb[None], k[None], v[None], is_causal=True, scale=scale, enable_gqa=True
+            )
+        else:
+            positions = torch.arange(ctx - q_len, ctx, device=q.device)
+            mask = torch.arange(ctx, device=q.device)[None, :] <= positions[:, None]  # [q_len, ctx]
+            ob = F.scaled_dot_product_attention(
+                qb[None], k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=True
+            )
+        out[start:end] = ob[0].transpose(0, 1).to(q.dtype)
+    return out
+
+
+# --------------------------------------------------------------------------- norm + rotary
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """HF LlamaRMSNorm: weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype), output in x.dtype.
+    With residual: new_residual = x + residual (in x.dtype); returns (rmsnorm(new_residual), new_residual)."""
+    if residual is not None:
+        x = x + residual
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    out = (weight * normed).to(x.dtype)
+    if residual is not None:
+        return out, x
+    return out
+
+
+def rope_inv_freq(head_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] (fp32) for HF's rope types default, linear and llama3."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = "default"
+    if scaling:
+        rope_type = scaling.get("rope_type", scaling.get("type", "default")) or "default"
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"])
+    if rope_type == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling["low_freq_factor"])
+        high = float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        low_wavelen = old_len / low
+        high_wavelen = old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(
+        f"unsupported rope scaling type {rope_type!r}; supported: default, linear, llama3"
+    )
+
+
+def rotary_cos_sin(
+    head_dim: int,
+    max_position: int,
+    base: float,
+    scaling: dict | None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """[max_position, head_dim] fp32: first half cos, second half sin of position * inv_freq."""
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even for rotary embeddings, got {head_dim}")
+    inv_freq = rope_inv_freq(head_dim, base, scaling)
+    positions = torch.arange(max_position, dtype=torch.int64).float()
+    freqs = positions[:, None] * inv_freq[None, :]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def apply_rotary(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """NeoX / HF rotate_half rotary on q [T, Hq, D] and k [T, Hkv, D] at positions [T]; math in fp32."""
+    half = q.shape[-1] // 2
+    cs = cos_sin.index_select(0, positions.to(torch.int64))
+    cos = cs[:, None, :half]
+    sin = cs[:, None, half:]
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+# --------------------------------------------------------------------------- weight-only quantization
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: w [N, K] -> (w_q int8 [N, K], scales fp32 [N]); w ~ w_q * scale."""
+    wf = w.float()
+    scales = wf.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    w_q = torch.round(wf / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return w_q, scales
+
+
+def dequantize_int8(w_q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return w_q.float() * scales.float()[:, None]
+
+
+def int8_linear(
+    x: torch.Tensor,
+    w_q: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ dequant(w_q [N, K]).T -> [M, N] in x.dtype (fp32 accumulation)."""
+    out = torch.matmul(x.float(), w_q.float().t()).mul_(scales.float())
+    if bias is not None:
+        out += bias.float()
+    return out.to(x.dtype)
+
+
+def _check_int4_shape(k: int, group_size: int) -> None:
+    if group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"int4 group_size must be one of {INT4_GROUP_SIZES}, got {group_size}")
+    if k % group_size:
+        raise ValueError(f"in_features {k} is not a multiple of group_size {group_size}")
+
+
+def quantize_int4(
+    w: torch.Tensor, group_size: int, symmetric: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Group-wise int4 along K. Returns (w_packed uint8 [N, K//2], scales fp32 [N, K//g], zeros fp32 | None).
+
+    Packing: byte j of row n holds k = 2j in the low nibble and k = 2j + 1 in the high nibble.
+    Dequantization: w = (nibble - zero) * scale, where zero = 8 when symmetric (zeros is None)
+    and a per-group integer in [0, 15] otherwise (asymmetric min/max range).
+    """
+    n, k = w.shape
+    _check_int4_shape(k, group_size)
+    groups = w.float().reshape(n, k // group_size, group_size)
+    if symmetric:
+        scales = groups.abs().amax(dim=-1).clamp(min=1e-12) / 7.0
+        zeros = None
+        q = torch.round(groups / scales[..., None]).clamp(-8, 7) + 8
+    else:
+        lo = groups.amin(dim=-1).clamp(max=0.0)
+        hi = groups.amax(dim=-1).clamp(min=0.0)
+        scales = ((hi - lo) / 15.0).clamp(min=1e-12)
+        zeros = torch.round(-lo / scales).clamp(0, 15)
+        q = (torch.round(groups / scales[..., None]) + zeros[..., None]).clamp(0, 15)
+    q = q.to(torch.uint8).reshape(n, k)
+    packed = q[:, 0::2] | (q[:, 1::2] << 4)
+    return packed.contiguous(), scales.contiguous(), zeros
+
+
+def unpack_int4(w_packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K//2] -> nibbles uint8 [N, K] in k order."""
+    n, half = w_packed.shape
+    lo = w_packed & 0x0F
+    hi = w_packed >> 4
+    return torch.stack([lo, hi], dim=-1).reshape(n, half * 2)
+
+
+def dequantize_int4(
+    w_packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int
+) -> torch.Tensor:
+    q = unpack_int4(w_packed).float()
+    n, k = q.shape
+    q = q.view(n, k // group_size, group_size)
+    zero = zeros.float()[..., None] if zeros is not None else 8.0
+    return ((q - zero) * scales.float()[..., None]).view(n, k)
+
+
+def int4_linear(
+    x: torch.Tensor,
+    w_packed: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ dequant(w_packed).T -> [M, N] in x.dtype (fp32 accumulation)."""
+    _check_int4_shape(x.shape[-1], group_size)
+    w = dequantize_int4(w_packed, scales, zeros, group_size)
+    out = torch.matmul(x.float(), w.t())
+    if bias is not None:
+        out += bias.float()
+    return out.to(x.dtype)
