@@ -1,0 +1,163 @@
+"""What a request cost: API prices from litellm's bundled map (overridable per backend), GPU-amortised
+cost for the in-house engine, the API counterfactual, and the worst-case estimate budgets reserve.
+
+One source of truth: every price comes from `litellm.model_cost`, loaded from the copy bundled with
+litellm (`LITELLM_LOCAL_MODEL_COST_MAP=True`, set by `import gateway`), never fetched at run time.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import gateway  # noqa: F401  (sets LITELLM_LOCAL_MODEL_COST_MAP before litellm is imported)
+
+if TYPE_CHECKING:
+    from gateway.backends.base import Usage
+    from gateway.policy import BackendSpec, Policy, RouteSpec
+
+# A GPU that is busy 2% of the time would otherwise charge each request 50× its device time.
+UTILISATION_FLOOR = 0.05
+# Budget reservation for engine backends without `reserve_usd_per_mtok`: USD per million tokens
+# (prompt + max_tokens). Deliberately above what a busy small model costs on one GPU (well under $1/Mtok
+# at a few thousand tokens/s and $2-4/GPU-hour), so reservations rarely undershoot the settled cost.
+DEFAULT_ENGINE_RESERVE_USD_PER_MTOK = 10.0
+_PER_MTOK = 1e-6
+
+
+@dataclass(slots=True, frozen=True)
+class Prices:
+    input_per_token: float
+    output_per_token: float
+    cached_input_per_token: float
+
+
+@dataclass(slots=True)
+class Cost:
+    input_usd: float
+    output_usd: float
+    total_usd: float
+    basis: Literal["api_price", "gpu_amortized"]
+
+
+def _model_cost() -> dict:
+    import litellm
+
+    return litellm.model_cost
+
+
+@functools.cache
+def _lookup(model: str) -> Prices | None:
+    """litellm's price for `model`, tried as written and without its provider prefix."""
+    table = _model_cost()
+    entry = table.get(model)
+    if entry is None and "/" in model:
+        provider, bare = model.split("/", 1)
+        candidate = table.get(bare)
+        # Only strip the prefix when the bare entry belongs to that provider (openai/gpt-4o-mini → gpt-4o-mini).
+        if candidate is not None and candidate.get("litellm_provider") == provider:
+            entry = candidate
+    if entry is None:
+        return None
+    inp = entry.get("input_cost_per_token")
+    out = entry.get("output_cost_per_token")
+    if inp is None or out is None:
+        return None
+    cached = entry.get("cache_read_input_token_cost")
+    return Prices(float(inp), float(out), float(cached if cached is not None else inp))
+
+
+@functools.cache
+def _resolve(model: str, inp: float | None, out: float | None, cached: float | None) -> Prices | None:
+    base = _lookup(model)
+    if base is None and (inp is None or out is None):
+        return None  # an unknown model needs both input and output overrides
+    i = inp * _PER_MTOK if inp is not None else base.input_per_token
+    o = out * _PER_MTOK if out is not None else base.output_per_token
+    if cached is not None:
+        c = cached * _PER_MTOK
+    elif inp is not None or base is None:
+        c = i  # overriding the input price without a cached price: cached tokens cost the same
+    else:
+        c = base.cached_input_per_token
+    return Prices(i, o, c)
+
+
+def prices_for(spec: BackendSpec) -> Prices | None:
+    """Per-token prices for a litellm backend (overrides win); None for engine backends and unpriced models."""
+    if spec.kind != "litellm":
+        return None
+    return _resolve(spec.model, spec.input_usd_per_mtok, spec.output_usd_per_mtok, spec.cached_input_usd_per_mtok)
+
+
+@functools.cache
+def price_table_version() -> str:
+    """litellm's version plus a short hash of the price map in use, e.g. 'litellm-1.110.2+3fa9c2d1'."""
+    from importlib.metadata import version
+
+    digest = hashlib.sha256(json.dumps(_model_cost(), sort_keys=True, default=str).encode()).hexdigest()[:8]
+    return f"litellm-{version('litellm')}+{digest}"
+
+
+def api_cost(prices: Prices, usage: Usage) -> Cost:
+    cached = min(max(usage.cached_prompt_tokens, 0), usage.prompt_tokens)
+    input_usd = (usage.prompt_tokens - cached) * prices.input_per_token + cached * prices.cached_input_per_token
+    output_usd = usage.completion_tokens * prices.output_per_token
+    return Cost(input_usd, output_usd, input_usd + output_usd, "api_price")
+
+
+def request_cost(spec: BackendSpec, usage: Usage, device_seconds: float | None = None,
+                 utilisation: float | None = None) -> Cost:
+    """The cost of one served request.
+
+    litellm backends: tokens at the API price (cached prompt tokens at the cached rate).
+    engine backends: `gpu_amortized` = device_seconds × gpus × gpu_hour_usd / 3600 / max(utilisation, floor).
+    Dividing by the engine's measured busy fraction spreads the cost of idle GPU time over the work done, so
+    a half-idle GPU charges each request twice its device time. Unknown utilisation counts as 1.0; unknown
+    device_seconds as 0 (callers without the engine's figure should pass the request's wall time instead).
+    The total is split between input and output in proportion to prompt vs completion tokens: a simple,
+    explainable split (prefill is cheaper per token than decode, so it slightly overstates input).
+    """
+    if spec.kind == "litellm":
+        prices = prices_for(spec)
+        if prices is None:
+            return Cost(0.0, 0.0, 0.0, "api_price")
+        return api_cost(prices, usage)
+    seconds = max(device_seconds or 0.0, 0.0)
+    util = 1.0 if utilisation is None else min(max(utilisation, UTILISATION_FLOOR), 1.0)
+    total = seconds * spec.gpus * spec.gpu_hour_usd / 3600.0 / util
+    tokens = usage.prompt_tokens + usage.completion_tokens
+    input_usd = total * usage.prompt_tokens / tokens if tokens else 0.0
+    return Cost(input_usd, total - input_usd, total, "gpu_amortized")
+
+
+def counterfactual_cost(policy: Policy, route: RouteSpec, usage: Usage) -> float | None:
+    """What the route's API alternative would have charged for the same tokens (None if it has none)."""
+    spec = policy.counterfactual_spec(route)
+    if spec is None:
+        return None
+    prices = prices_for(spec)
+    return api_cost(prices, usage).total_usd if prices is not None else None
+
+
+def max_cost_estimate(policy: Policy, chain: list[BackendSpec], prompt_tokens: int, max_tokens: int) -> float:
+    """Worst-case cost over every backend the request may reach, for budget reservation at admission.
+
+    API backends: all prompt tokens uncached at the input price plus max_tokens at the output price.
+    Engine backends: (prompt + max_tokens) × `reserve_usd_per_mtok` (default DEFAULT_ENGINE_RESERVE_USD_PER_MTOK),
+    because device time is only known afterwards. Unpriced API models reserve 0, as they are logged at 0.
+    """
+    worst = 0.0
+    for spec in chain:
+        if spec.kind == "litellm":
+            prices = prices_for(spec)
+            est = 0.0 if prices is None else (
+                prompt_tokens * prices.input_per_token + max_tokens * prices.output_per_token)
+        else:
+            rate = spec.reserve_usd_per_mtok
+            rate = DEFAULT_ENGINE_RESERVE_USD_PER_MTOK if rate is None else rate
+            est = (prompt_tokens + max_tokens) * rate * _PER_MTOK
+        worst = max(worst, est)
+    return worst
