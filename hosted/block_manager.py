@@ -1,0 +1,185 @@
+"""Paged KV-cache bookkeeping: a pool of fixed-size blocks, per-sequence block tables, ref counts,
+and the prefix cache (full blocks found by a chained hash, verified exactly, evicted LRU)."""
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from hosted.sequence import Sequence
+
+_ROOT_HASH = 0
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    # Prefix-cache identity, set once the block is full and computed; hash == -1 means "not cached".
+    hash: int = -1
+    token_ids: tuple[int, ...] = ()
+    # (block_id, generation) of the block holding the previous block_size tokens, None for a first block.
+    # Matching requires this to equal the block we just matched, so a hash collision can never make two
+    # different prefixes share KV: the whole chain is verified token for token.
+    parent: tuple[int, int] | None = None
+    generation: int = 0  # bumped every time the block is handed out for new content
+
+
+def chain_hash(parent_hash: int, token_ids: list[int] | tuple[int, ...]) -> int:
+    """xxh64 of the parent block's hash followed by this block's token ids."""
+    h = xxhash.xxh64()
+    h.update(parent_hash.to_bytes(8, "little", signed=False))
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return h.intdigest()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be >= 1")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: deque[int] = deque(range(num_blocks))  # ref 0, holding nothing worth keeping
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0, cached content; oldest first
+        self._by_hash: dict[int, int] = {}
+        self.prefix_queries_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    # ---- pool state -------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._by_hash)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache -----------------------------------------------------------------------------
+    def match_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:
+        """Cached full blocks covering a prefix of seq.token_ids, without taking them.
+
+        Returns (block_ids, hashes). The last token is never covered: the model must compute at
+        least one token to produce logits.
+        """
+        if not self.enable_prefix_caching:
+            return [], []
+        bs = self.block_size
+        max_blocks = (seq.num_tokens - 1) // bs
+        ids: list[int] = []
+        hashes: list[int] = []
+        parent_hash = _ROOT_HASH
+        parent: tuple[int, int] | None = None
+        for i in range(max_blocks):
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            h = chain_hash(parent_hash, tokens)
+            block_id = self._by_hash.get(h)
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            if block.token_ids != tokens or block.parent != parent:
+                break
+            ids.append(block_id)
+            hashes.append(h)
+            parent_hash, parent = h, (block_id, block.generation)
+        return ids, hashes
+
+    def register_computed_blocks(self, seq: Sequence) -> None:
+        """Enter seq's newly full, computed blocks into the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        for i in range(len(seq.block_hashes), num_full):
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            parent_hash = seq.block_hashes[i - 1] if i else _ROOT_HASH
+            h = chain_hash(parent_hash, tokens)
+            seq.block_hashes.append(h)
+            block = self.blocks[seq.block_table[i]]
+            if block.hash != -1 or h in self._by_hash:
+                continue  # already cached (a hit), or an identical block computed by another sequence
+            prev = self.blocks[seq.block_table[i - 1]] if i else None
+            block.hash = h
+            block.token_ids = tokens
+            block.parent = (prev.block_id, prev.generation) if prev is not None else None
+            self._by_hash[h] = block.block_id
+
+    # ---- allocation -------------------------------------------------------------------------------
+    def can_allocate(self, seq: Sequence, num_tokens: int, hit_ids: list[int] | None = None) -> bool:
+        """Whether seq can hold `num_tokens` tokens in total, after taking `hit_ids` (from match_prefix)."""
+        hit_ids = hit_ids or []
+        need = self.blocks_for(num_tokens) - len(seq.block_table) - len(hit_ids)
+        taken_from_pool = sum(1 for b in hit_ids if self.blocks[b].ref_count == 0)
+        return need + taken_from_pool <= self.num_free_blocks
+
+    def take_prefix(self, seq: Sequence, hit_ids: list[int], hit_hashes: list[int]) -> None:
+        """Give an empty sequence the matched cached blocks (ref-counted) and mark them computed."""
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        for block_id in hit_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self._evictable[block_id]
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+        seq.block_hashes = list(hit_hashes)
+        seq.num_computed_tokens = len(hit_ids) * self.block_size
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> None:
+        """Grow seq's block table to hold `num_tokens` tokens. Caller checked can_allocate."""
+        need = self.blocks_for(num_tokens) - len(seq.block_table)
+        if need > self.num_free_blocks:
+            raise RuntimeError("KV block pool exhausted (can_allocate was not checked)")
+        for _ in range(need):
+            seq.block_table.append(self._take_block())
+
+    def free(self, seq: Sequence) -> None:
+        """Drop seq's references. Cached blocks stay findable until evicted; the tail goes first."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} freed twice"
+            if block.ref_count == 0:
+                if block.hash != -1:
+                    self._evictable[block_id] = None
+                else:
+                    self._free.append(block_id)
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0
+
+    def _take_block(self) -> int:
+        if self._free:
+            block_id = self._free.popleft()
+        else:
+            block_id, _ = self._evictable.popitem(last=False)  # least recently used cached block
+            self._uncache(self.blocks[block_id])
+        block = self.blocks[block_id]
+        block.ref_count = 1
+        block.generation += 1
+        return block_id
+
+    def _uncache(self, block: Block) -> None:
+        if self._by_hash.get(block.hash) == block.block_id:
+            del self._by_hash[block.hash]
+        block.hash = -1
+        block.token_ids = ()
+        block.parent = None
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every unreferenced cached block (their memory returns to the plain free list)."""
+        while self._evictable:
+            block_id, _ = self._evictable.popitem(last=False)
+            self._uncache(self.blocks[block_id])
+            self._free.append(block_id)
+
+    def check_all_free(self) -> None:
+        """Assert the pool holds no references (tests call this after every engine is drained)."""
+        held = [b.block_id for b in self.blocks if b.ref_count != 0]
+        assert not held, f"blocks still referenced: {held[:20]}"
+        assert self.num_free_blocks == self.num_blocks, (self.num_free_blocks, self.num_blocks)

@@ -1,0 +1,204 @@
+"""Model and engine configuration: parse a Hugging Face `config.json` into the fields the engine uses."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# HF architecture name -> our model family. All three share the Llama block; they differ in biases,
+# tied embeddings and defaults, which ModelConfig captures.
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "MistralForCausalLM": "mistral",
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class ConfigError(ValueError):
+    """A checkpoint directory or its config.json cannot be served; the message names what is wrong."""
+
+
+@dataclass(slots=True, frozen=True)
+class ModelConfig:
+    """The subset of a HF causal-LM config the engine needs (HF field names where one exists)."""
+
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None  # None or {"rope_type": "linear"|"llama3", ...}
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool  # Qwen2 always; Llama when attention_bias
+    o_bias: bool  # Llama when attention_bias
+    mlp_bias: bool
+    sliding_window: int | None  # Mistral v0.1 style window; the engine caps max_model_len to it
+    bos_token_id: int | None
+    eos_token_ids: list[int] = field(default_factory=list)
+    torch_dtype: str | None = None  # the checkpoint's dtype as stored, informational
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir)
+        if not path.is_dir():
+            raise ConfigError(f"model directory {str(path)!r} does not exist or is not a directory")
+        cfg_path = path / "config.json"
+        if not cfg_path.is_file():
+            raise ConfigError(f"{str(cfg_path)!r} is missing: a Hugging Face checkpoint directory needs config.json")
+        try:
+            raw = json.loads(cfg_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{str(cfg_path)!r} is not valid JSON: {exc}") from exc
+        gen_eos: list[int] = []
+        gen_path = path / "generation_config.json"
+        if gen_path.is_file():
+            try:
+                gen_eos = _as_id_list(json.loads(gen_path.read_text()).get("eos_token_id"))
+            except json.JSONDecodeError:
+                gen_eos = []
+        return cls.from_dict(raw, extra_eos_token_ids=gen_eos, source=str(cfg_path))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], extra_eos_token_ids: list[int] | None = None,
+                  source: str = "config.json") -> ModelConfig:
+        archs = raw.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            # Fall back to model_type when `architectures` is absent (configs saved from a bare config object).
+            by_type = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
+            if not archs and raw.get("model_type") in by_type:
+                arch = by_type[raw["model_type"]]
+            else:
+                raise ConfigError(
+                    f"{source}: unsupported architecture {archs or raw.get('model_type')!r}; "
+                    f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        family = SUPPORTED_ARCHITECTURES[arch]
+
+        def need(key: str) -> Any:
+            if raw.get(key) is None:
+                raise ConfigError(f"{source}: required field {key!r} is missing")
+            return raw[key]
+
+        hidden = int(need("hidden_size"))
+        heads = int(need("num_attention_heads"))
+        kv_heads = int(raw.get("num_key_value_heads") or heads)
+        head_dim = int(raw.get("head_dim") or hidden // heads)
+        if heads % kv_heads:
+            raise ConfigError(f"{source}: num_attention_heads={heads} is not a multiple of "
+                              f"num_key_value_heads={kv_heads}")
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"{source}: hidden_act {raw.get('hidden_act')!r} is not supported (only 'silu')")
+        if raw.get("pretraining_tp", 1) not in (1, None):
+            raise ConfigError(f"{source}: pretraining_tp > 1 is not supported")
+
+        rope_theta, rope_scaling = _parse_rope(raw, source)
+
+        sliding = raw.get("sliding_window")
+        if family == "qwen2" and not raw.get("use_sliding_window", False):
+            sliding = None
+        attention_bias = bool(raw.get("attention_bias", False))
+        eos = _as_id_list(raw.get("eos_token_id"))
+        for tok in extra_eos_token_ids or []:
+            if tok not in eos:
+                eos.append(tok)
+        return cls(
+            architecture=arch,
+            model_type=family,
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_hidden_layers=int(need("num_hidden_layers")),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=family == "qwen2" or (family == "llama" and attention_bias),
+            o_bias=family == "llama" and attention_bias,
+            mlp_bias=family == "llama" and bool(raw.get("mlp_bias", False)),
+            sliding_window=int(sliding) if sliding else None,
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=eos,
+            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+        )
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def _parse_rope(raw: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None]:
+    """Read rope settings from either the transformers<5 layout (rope_theta + rope_scaling)
+    or the transformers>=5 layout (rope_parameters with rope_theta inside)."""
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and "rope_theta" in params:
+        theta = float(params["rope_theta"])
+        scaling: dict[str, Any] | None = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        theta = float(raw.get("rope_theta", 10000.0))
+        scaling = raw.get("rope_scaling")
+    if scaling:
+        scaling = dict(scaling)
+        rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ConfigError(f"{source}: rope scaling type {rope_type!r} is not supported; "
+                              f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        if float(scaling.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise ConfigError(f"{source}: partial_rotary_factor != 1 is not supported")
+        if rope_type == "default":
+            return theta, None
+        scaling["rope_type"] = rope_type
+        scaling.setdefault("type", rope_type)
+        if rope_type == "llama3":
+            for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+                if key not in scaling:
+                    raise ConfigError(f"{source}: llama3 rope scaling needs {key!r}")
+        elif "factor" not in scaling:
+            raise ConfigError(f"{source}: {rope_type} rope scaling needs 'factor'")
+        return theta, scaling
+    return theta, None
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """How to run one model. Field names and defaults are the engine's public contract."""
+
+    model_dir: str
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    device: str | None = None  # None -> cuda if available else cpu
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    kv_cache_gb: float | None = None  # None -> see ModelRunner.default_kv_cache_bytes
+    num_kv_blocks: int | None = None  # explicit pool size, overrides kv_cache_gb
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None  # default: config.max_position_embeddings (capped by sliding_window)
+
+    def validate(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
+            raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")

@@ -1,0 +1,210 @@
+"""LLMEngine: requests in, tokens out, one scheduler iteration per `step()`.
+
+Not thread-safe: call add_request / abort_request / step from one thread (the async wrapper does).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from hosted.block_manager import BlockManager
+from hosted.config import EngineConfig, ModelConfig
+from hosted.model_runner import ModelRunner
+from hosted.sampler import Sampler
+from hosted.sampling import SamplingParams
+from hosted.scheduler import Scheduler
+from hosted.sequence import Sequence
+
+__all__ = ["EngineConfig", "EngineStats", "LLMEngine", "SamplingParams", "StepOutput", "TokenLogprob"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float  # log-softmax of the raw model logits (before penalties and temperature), as OpenAI
+    top: list[tuple[int, float]]  # (token_id, logprob), best first; len == top_logprobs
+
+
+@dataclass(slots=True)
+class StepOutput:
+    request_id: str
+    # Tokens produced for this request in this step (0 or 1). When finish_reason == "stop" the last one
+    # is the EOS / stop token that ended the request: count it, but do not render it as text.
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprob] | None  # one per new token when the request asked for logprobs
+    finished: bool
+    finish_reason: str | None  # "stop" (EOS / stop token), "length", "abort"
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens served from the prefix cache (fixed at first admission)
+    device_seconds: float  # cumulative device time attributed to this request so far
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    prefix_queries_tokens: int
+    prefix_hit_tokens: int
+    busy_seconds: float  # cumulative time spent in model forward + sampling
+    num_preemptions: int
+    num_steps: int = 0
+    num_generated_tokens: int = 0
+    num_computed_tokens: int = 0  # tokens fed through the model (prefill + decode + recompute)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        config.validate()
+        self.config = config
+        self.model_config = ModelConfig.from_dir(config.model_dir)
+        self.eos_token_ids: list[int] = list(self.model_config.eos_token_ids)
+        self.max_model_len = self._resolve_max_model_len()
+        self.runner = ModelRunner(self.model_config, config, self.max_model_len)
+        self.device = self.runner.device
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.sampler = Sampler(self.device)
+        self._seqs: dict[str, Sequence] = {}
+        self._aborted: list[StepOutput] = []
+        self._arrivals = 0
+        self._busy = 0.0
+        self._steps = 0
+        self._generated = 0
+        self._computed = 0
+
+    def _resolve_max_model_len(self) -> int:
+        mc = self.model_config
+        limit = mc.max_position_embeddings
+        if mc.sliding_window is not None and mc.sliding_window < limit:
+            # The attention kernels have no sliding window; within the window full attention is exact.
+            log.info("capping max_model_len to the model's sliding_window %d", mc.sliding_window)
+            limit = mc.sliding_window
+        wanted = self.config.max_model_len
+        if wanted is None:
+            return limit
+        if wanted > limit:
+            raise ValueError(f"max_model_len={wanted} exceeds what this model supports ({limit})")
+        return wanted
+
+    # ---- requests ---------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request. Raises ValueError (and changes nothing) if it can never be served."""
+        if request_id in self._seqs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty: at least one token is required")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt holds {bad!r}, not a token id of this model (vocabulary size {vocab})")
+        params.validate(vocab)
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                             f"exceeds the model's context length {self.max_model_len}")
+        # The last generated token is never fed back, so total - 1 positions need KV.
+        need = self.block_manager.blocks_for(total - 1)
+        if need > self.block_manager.num_blocks:
+            raise ValueError(f"request needs {need} KV blocks but the pool holds {self.block_manager.num_blocks}; "
+                             f"shorten the prompt or max_tokens")
+        seq = Sequence(request_id=request_id, token_ids=list(prompt_token_ids),
+                       num_prompt_tokens=len(prompt_token_ids), params=params, arrival=self._arrivals)
+        self._arrivals += 1
+        if params.seed is not None:
+            seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        """Free the request's blocks now; the next step() reports it finished with reason "abort".
+        Unknown or already finished ids are ignored."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return
+        self.scheduler.remove(seq)
+        seq.finish_reason = "abort"
+        self._aborted.append(self._output(seq, [], None))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._aborted)
+
+    # ---- one iteration ----------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        outputs, self._aborted = self._aborted, []
+        batch = self.scheduler.schedule()
+        if batch.empty:
+            return outputs
+        t0 = time.perf_counter()
+        logits, sample_seqs = self.runner.execute(batch)
+        result = self.sampler(logits, sample_seqs) if sample_seqs else None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elapsed = time.perf_counter() - t0
+        self._busy += elapsed
+        self._steps += 1
+        self._computed += batch.num_tokens
+
+        for seq, n in batch.items:
+            seq.device_seconds += elapsed * n / batch.num_tokens
+            seq.num_computed_tokens += n
+            self.block_manager.register_computed_blocks(seq)
+        if result is None:
+            return outputs
+        for seq, token, lp in zip(sample_seqs, result.token_ids, result.logprobs):
+            seq.token_ids.append(token)
+            self._generated += 1
+            reason = self._finish_reason(seq, token)
+            logprobs = None
+            if lp is not None:
+                logprobs = [TokenLogprob(token, lp[0], lp[1])]
+            if reason is not None:
+                seq.finish_reason = reason
+                self.scheduler.remove(seq)
+                del self._seqs[seq.request_id]
+            outputs.append(self._output(seq, [token], logprobs))
+        return outputs
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    @staticmethod
+    def _output(seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None) -> StepOutput:
+        return StepOutput(request_id=seq.request_id, new_token_ids=tokens, logprobs=logprobs,
+                          finished=seq.finish_reason is not None, finish_reason=seq.finish_reason,
+                          num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
+                          device_seconds=seq.device_seconds)
+
+    # ---- introspection ----------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_blocks_total=bm.num_blocks, kv_blocks_free=bm.num_free_blocks,
+            prefix_queries_tokens=bm.prefix_queries_tokens, prefix_hit_tokens=bm.prefix_hit_tokens,
+            busy_seconds=self._busy, num_preemptions=self.scheduler.num_preemptions, num_steps=self._steps,
+            num_generated_tokens=self._generated, num_computed_tokens=self._computed)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        """Convenience for tests and scripts: run prompts to completion, return each one's output tokens."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{self._arrivals + i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, plist):
+            self.add_request(rid, prompt, p)
+        out: dict[str, list[int]] = {rid: [] for rid in ids}
+        while self.has_unfinished():
+            for o in self.step():
+                if o.request_id in out:
+                    out[o.request_id].extend(o.new_token_ids)
+        return [out[rid] for rid in ids]

@@ -1,0 +1,55 @@
+"""Paged attention over a token-flattened batch: decodes first (one token each), then prefill chunks."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kernels import ops
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Built once per step by the model runner and shared by every layer.
+
+    The first `num_decode_tokens` rows of the batch are decodes (one new token per sequence); the rest
+    are prefill chunks packed back to back (plain prefill, chunked prefill and prefix-cache hits alike).
+    """
+
+    slot_mapping: torch.Tensor  # int64 [T]: cache slot each new token's K/V is written to
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor | None  # int32 [D, max_blocks]
+    decode_context_lens: torch.Tensor | None  # int32 [D], including the new token
+    prefill_block_tables: torch.Tensor | None  # int32 [P, max_blocks]
+    prefill_cu_seqlens_q: torch.Tensor | None  # int32 [P + 1]
+    prefill_context_lens: torch.Tensor | None  # int32 [P], cached prefix + new tokens
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        # Views into the runner's KV pool, bound after the pool is allocated.
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
+        ops.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        d = meta.num_decode_tokens
+        if d == q.shape[0]:
+            return ops.paged_decode_attention(q, self.k_cache, self.v_cache, meta.decode_block_tables,
+                                              meta.decode_context_lens, self.scale)
+        if d == 0:
+            return ops.paged_prefill_attention(q, self.k_cache, self.v_cache, meta.prefill_block_tables,
+                                               meta.prefill_cu_seqlens_q, meta.prefill_context_lens, self.scale)
+        out = torch.empty_like(q)
+        out[:d] = ops.paged_decode_attention(q[:d], self.k_cache, self.v_cache, meta.decode_block_tables,
+                                             meta.decode_context_lens, self.scale)
+        out[d:] = ops.paged_prefill_attention(q[d:], self.k_cache, self.v_cache, meta.prefill_block_tables,
+                                              meta.prefill_cu_seqlens_q, meta.prefill_context_lens, self.scale)
+        return out

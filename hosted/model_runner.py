@@ -1,0 +1,151 @@
+"""Owns the model and its KV pool on one device; turns a scheduled batch into one forward pass."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from hosted.config import EngineConfig, ModelConfig
+from hosted.layers.attention import AttentionMetadata
+from hosted.loader import load_model, torch_dtype
+from hosted.scheduler import ScheduledBatch
+from hosted.sequence import Sequence
+from kernels import ops
+
+log = logging.getLogger(__name__)
+
+_CPU_DEFAULT_KV_BYTES = 1 << 30  # 1 GiB
+_CUDA_KV_FRACTION = 0.85  # of the memory free after the weights are loaded
+
+
+def resolve_device(name: str | None) -> torch.device:
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be cpu or cuda, got {name!r}")
+    return device
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, config: EngineConfig, max_model_len: int) -> None:
+        self.model_config = model_config
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = torch_dtype(config.dtype)
+        if self.device.type == "cpu" and self.dtype == torch.float16:
+            raise ValueError("float16 is not supported on CPU; use float32 or bfloat16")
+        self.block_size = config.block_size
+        self.model = load_model(config.model_dir, model_config, self.dtype, self.device)
+        self.cos_sin = ops.rotary_cos_sin(model_config.head_dim, max_model_len, model_config.rope_theta,
+                                          model_config.rope_scaling, self.device)
+        self.num_blocks = self._pool_blocks(max_model_len)
+        self._allocate_kv_cache()
+
+    # ---- KV pool ----------------------------------------------------------------------------------
+    @property
+    def bytes_per_block(self) -> int:
+        c = self.model_config
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        return 2 * c.num_hidden_layers * self.block_size * c.num_key_value_heads * c.head_dim * elem
+
+    def _pool_blocks(self, max_model_len: int) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        per_block = self.bytes_per_block
+        if cfg.kv_cache_gb is not None:
+            blocks = int(cfg.kv_cache_gb * (1 << 30)) // per_block
+        else:
+            # Enough for every sequence at full length, but no more than the device default.
+            wanted = cfg.max_num_seqs * -(-max_model_len // self.block_size)
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                cap = int(free * _CUDA_KV_FRACTION) // per_block
+            else:
+                cap = _CPU_DEFAULT_KV_BYTES // per_block
+            blocks = min(wanted, cap)
+        if blocks < 1:
+            raise ValueError(f"KV cache budget is smaller than one block ({per_block} bytes)")
+        return blocks
+
+    def _allocate_kv_cache(self) -> None:
+        c = self.model_config
+        shape = (c.num_hidden_layers, 2, self.num_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        for i, attn in enumerate(self.model.attention_layers()):
+            attn.k_cache = self.kv_cache[i, 0]
+            attn.v_cache = self.kv_cache[i, 1]
+        log.info("KV pool: %d blocks x %d tokens (%.1f MiB)", self.num_blocks, self.block_size,
+                 self.kv_cache.numel() * self.kv_cache.element_size() / (1 << 20))
+
+    # ---- one step ---------------------------------------------------------------------------------
+    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor | None, list[Sequence]]:
+        """Forward the batch. Returns fp32 logits [S, V] for the sequences that reach their end this step
+        (and so sample a token), with those sequences in row order; (None, []) if none do."""
+        input_ids, positions, meta, logits_indices, sample_seqs = self.prepare(batch)
+        if not sample_seqs:
+            # Only partial prefill chunks: the forward still has to fill the KV cache.
+            logits_indices = logits_indices[:0]
+        with torch.inference_mode():
+            logits = self.model(input_ids, positions, self.cos_sin, meta, logits_indices)
+        return (logits if sample_seqs else None), sample_seqs
+
+    def prepare(self, batch: ScheduledBatch):
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_indices: list[int] = []
+        sample_seqs: list[Sequence] = []
+        dec_tables: list[list[int]] = []
+        dec_lens: list[int] = []
+        pre_tables: list[list[int]] = []
+        pre_cu: list[int] = [0]
+        pre_lens: list[int] = []
+        for i, (seq, n) in enumerate(batch.items):
+            start = seq.num_computed_tokens
+            end = start + n
+            table = seq.block_table
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            if n == 1:
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                slots.extend([table[p // bs] * bs + p % bs for p in range(start, end)])
+            if end == seq.num_tokens:
+                logits_indices.append(len(input_ids) - 1)
+                sample_seqs.append(seq)
+            if i < batch.num_decodes:
+                dec_tables.append(table)
+                dec_lens.append(end)
+            else:
+                pre_tables.append(table)
+                pre_cu.append(pre_cu[-1] + n)
+                pre_lens.append(end)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=_tensor(slots, torch.int64, dev),
+            num_decode_tokens=batch.num_decodes,
+            decode_block_tables=_table_tensor(dec_tables, dev) if dec_tables else None,
+            decode_context_lens=_tensor(dec_lens, torch.int32, dev) if dec_tables else None,
+            prefill_block_tables=_table_tensor(pre_tables, dev) if pre_tables else None,
+            prefill_cu_seqlens_q=_tensor(pre_cu, torch.int32, dev) if pre_tables else None,
+            prefill_context_lens=_tensor(pre_lens, torch.int32, dev) if pre_tables else None,
+        )
+        return (_tensor(input_ids, torch.int64, dev), _tensor(positions, torch.int64, dev), meta,
+                _tensor(logits_indices, torch.int64, dev), sample_seqs)
+
+
+def _tensor(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    t = torch.tensor(values, dtype=dtype)
+    if device.type != "cpu":
+        t = t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
+def _table_tensor(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    width = max(len(t) for t in tables)
+    return _tensor([t + [0] * (width - len(t)) for t in tables], torch.int32, device)

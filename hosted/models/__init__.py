@@ -1,0 +1,1 @@
+"""Model implementations (python code). hosted/models/demo/ holds the bundled demo checkpoint."""

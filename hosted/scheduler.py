@@ -1,0 +1,143 @@
+"""Continuous batching: decide, every step, which sequences run and how many tokens each feeds.
+
+Order of service within a step's token budget (max_num_batched_tokens):
+1. running sequences that are decoding (one token each), oldest first;
+2. running sequences still prefilling, as chunks of whatever budget remains, oldest first;
+3. waiting sequences (preempted ones first, then new arrivals), with prefix-cache hits, as chunks.
+When the block pool runs dry for a running sequence, the newest running sequence is preempted: its
+blocks are freed and it goes back to the front of the waiting queue to be recomputed later.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from hosted.block_manager import BlockManager
+from hosted.sequence import SeqStatus, Sequence
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    # (sequence, tokens fed this step); decodes (exactly one uncomputed token) come first.
+    items: list[tuple[Sequence, int]] = field(default_factory=list)
+    num_decodes: int = 0
+    num_tokens: int = 0
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.items
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # kept in priority order (lowest arrival first)
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out of the queues and release its blocks (finish or abort)."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        self.bm.free(seq)
+        seq.status = SeqStatus.FINISHED
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_num_batched_tokens
+        batch = ScheduledBatch()
+        scheduled: dict[int, int] = {}  # id(seq) -> tokens, for seqs picked this step
+        decodes = [s for s in self.running if s.num_uncomputed == 1]
+        prefills = [s for s in self.running if s.num_uncomputed > 1]
+        for seq in decodes + prefills:
+            if budget == 0:
+                break
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted earlier in this loop to make room for an older sequence
+            n = min(seq.num_uncomputed, budget)
+            if not self._reserve_running(seq, n, scheduled, batch):
+                continue  # seq itself was preempted
+            scheduled[id(seq)] = n
+            # Recount rather than subtract: a victim scheduled earlier in this loop gave its tokens back.
+            budget = self.max_num_batched_tokens - sum(scheduled.values())
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            hit_ids: list[int] = []
+            hit_hashes: list[int] = []
+            if seq.num_computed_tokens == 0 and not seq.block_table:
+                hit_ids, hit_hashes = self.bm.match_prefix(seq)
+            start = len(hit_ids) * self.bm.block_size if hit_ids else seq.num_computed_tokens
+            n = min(seq.num_tokens - start, budget)
+            if not self.bm.can_allocate(seq, start + n, hit_ids):
+                break  # never preempt running work to admit new work
+            self.waiting.popleft()
+            if hit_ids:
+                self.bm.take_prefix(seq, hit_ids, hit_hashes)
+            if not seq.admitted_once:
+                seq.admitted_once = True
+                seq.num_cached_tokens = len(hit_ids) * self.bm.block_size
+                self.bm.prefix_queries_tokens += seq.num_prompt_tokens
+                self.bm.prefix_hit_tokens += seq.num_cached_tokens
+            self.bm.allocate(seq, seq.num_computed_tokens + n)
+            seq.status = SeqStatus.RUNNING
+            self._insert_running(seq)
+            scheduled[id(seq)] = n
+            budget -= n
+
+        # Emit in the order the model runner wants: decodes first, then prefill chunks.
+        for seq in self.running:
+            n = scheduled.get(id(seq))
+            if n is not None and n == 1 and seq.num_uncomputed == 1:
+                batch.items.append((seq, 1))
+        batch.num_decodes = len(batch.items)
+        for seq in self.running:
+            n = scheduled.get(id(seq))
+            if n is not None and not (n == 1 and seq.num_uncomputed == 1):
+                batch.items.append((seq, n))
+        batch.num_tokens = sum(n for _, n in batch.items)
+        return batch
+
+    def _reserve_running(self, seq: Sequence, n: int, scheduled: dict[int, int], batch: ScheduledBatch) -> bool:
+        """Make room for n more tokens of a running seq, preempting the newest running seqs as needed."""
+        while not self.bm.can_allocate(seq, seq.num_computed_tokens + n):
+            victim = self.running[-1]
+            self._preempt(victim, batch)
+            scheduled.pop(id(victim), None)
+            if victim is seq:
+                return False
+        self.bm.allocate(seq, seq.num_computed_tokens + n)
+        return True
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        self.running.remove(seq)
+        self.bm.free(seq)
+        seq.status = SeqStatus.WAITING
+        # Back into the waiting queue by arrival, i.e. ahead of every request that came after it.
+        i = 0
+        while i < len(self.waiting) and self.waiting[i].arrival < seq.arrival:
+            i += 1
+        self.waiting.insert(i, seq)
+        self.num_preemptions += 1
+        batch.preempted.append(seq)
+
+    def _insert_running(self, seq: Sequence) -> None:
+        # Preempted sequences come back with their old (low) arrival number; keep the list ordered.
+        if not self.running or self.running[-1].arrival < seq.arrival:
+            self.running.append(seq)
+            return
+        i = len(self.running)
+        while i > 0 and self.running[i - 1].arrival > seq.arrival:
+            i -= 1
+        self.running.insert(i, seq)

@@ -1,0 +1,63 @@
+"""One request's state inside the engine: its tokens, how many have KV in the cache, and its blocks."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from hosted.sampling import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """A request being served.
+
+    `token_ids` is the prompt followed by every generated token. `num_computed_tokens` counts the
+    leading tokens whose K/V are in the cache; a step feeds tokens [num_computed_tokens, len) (or a
+    chunk of them) and samples a new token once the whole sequence has been computed. So a decode is
+    just a sequence with exactly one uncomputed token, and a preempted sequence recomputes from zero.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    arrival: int  # monotonically increasing admission order; lower = higher priority
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    # Chained prefix-cache hash of each *full* block in block_table that has been hashed so far.
+    block_hashes: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    admitted_once: bool = False
+    device_seconds: float = 0.0
+    generator: torch.Generator | None = None
+    finish_reason: str | None = None
+    # Counts of generated tokens, only kept for requests with presence/frequency penalties.
+    output_counts: dict[int, int] | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
