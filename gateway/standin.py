@@ -1,0 +1,538 @@
+"""A stand-in OpenAI-compatible upstream for tests and benchmarks, on a bare asyncio HTTP/1.1 server.
+
+It is the baseline the gateway-overhead benchmark measures against, so it does as little as possible per
+request: no framework, one `transport.write` per response when no delay is asked for, keep-alive always.
+It speaks the real wire format (JSON bodies, SSE with `data: …` and `data: [DONE]`, chunked transfer), so
+the official `openai` SDK and litellm's `openai/…` provider work against it unchanged.
+
+Responses are deterministic: `max_tokens` tokens "tok0 tok1 …"; `prompt_tokens` is the number of
+whitespace-separated words in the prompt. Faults and delays are set at start or through the control
+endpoint: `POST /_control` with JSON options (see `StandinOptions`; `{"reset": true}` restores the start
+options and zeroes the counters); `GET /_control` returns counters, options and the last payload.
+
+    with run_standin(engine_extension=True) as base_url:      # "http://127.0.0.1:PORT/v1"
+        standin_control(base_url, fail_next=2, fail_status=503, retry_after=0.1)
+        ...
+        standin_stats(base_url)["requests"]
+
+    python -m gateway.standin --port 8100 [--engine-extension]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 408: "Request Timeout",
+            411: "Length Required", 422: "Unprocessable Entity", 429: "Too Many Requests",
+            500: "Internal Server Error", 502: "Bad Gateway", 503: "Service Unavailable", 504: "Gateway Timeout"}
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                422: "invalid_request_error", 429: "rate_limit_error"}
+_SSE_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
+             b"transfer-encoding: chunked\r\n\r\n")
+_DONE = b"data: [DONE]\n\n"
+
+
+@dataclass(slots=True)
+class StandinOptions:
+    engine_extension: bool = False  # add the engine's "switchyard": {device_seconds, utilisation} object
+    fail_next: int = 0  # answer the next N completion requests with fail_status
+    fail_status: int = 500
+    retry_after: float | None = None  # seconds, sent as Retry-After with injected failures
+    drop_next: int = 0  # close the connection without answering the next N completion requests
+    first_byte_delay_ms: float = 0.0
+    token_delay_ms: float = 0.0  # between streamed tokens (for disconnect tests)
+    drop_after_tokens: int | None = None  # streams: cut the connection after this many tokens
+    cached_tokens: int = 0  # reported as prompt_tokens_details.cached_tokens (capped at prompt_tokens)
+    default_max_tokens: int = 16
+    device_seconds_per_token: float = 0.001  # engine extension: (prompt + completion) × this
+    utilisation: float = 0.5  # engine extension
+
+
+@dataclass(slots=True)
+class StandinStats:
+    requests: int = 0  # completion requests received (chat + completions), failed ones included
+    chat_requests: int = 0
+    completion_requests: int = 0
+    completed: int = 0  # responses written in full
+    failed: int = 0  # injected failures and drops
+    disconnects: int = 0  # clients that went away before their response was complete
+    open_connections: int = 0
+    connections_total: int = 0
+    in_flight: int = 0
+    last_payload: Any = None
+
+
+class _State:
+    def __init__(self, options: StandinOptions):
+        self.initial = dataclasses.replace(options)
+        self.options = options
+        self.stats = StandinStats()
+        self.seq = 0
+        self.connections: set[_Connection] = set()
+
+    def control(self, update: dict) -> None:
+        if update.pop("reset", False):
+            self.options = dataclasses.replace(self.initial)
+            open_now = self.stats.open_connections
+            self.stats = StandinStats(open_connections=open_now)
+        names = {f.name for f in dataclasses.fields(StandinOptions)}
+        unknown = set(update) - names
+        if unknown:
+            raise ValueError(f"unknown option(s) {sorted(unknown)}; known: {sorted(names)}")
+        for k, v in update.items():
+            setattr(self.options, k, v)
+
+    def snapshot(self) -> dict:
+        return {**dataclasses.asdict(self.stats), "options": dataclasses.asdict(self.options)}
+
+
+def _count_words(value: Any) -> int:
+    if isinstance(value, str):
+        return len(value.split())
+    if isinstance(value, list):
+        return sum(1 if isinstance(v, int) else _count_words(v) for v in value)
+    if isinstance(value, dict):  # a content part {"type": "text", "text": …}
+        return _count_words(value.get("text", ""))
+    return 0
+
+
+def _prompt_tokens(payload: dict, chat: bool) -> int:
+    if chat:
+        return sum(_count_words(m.get("content")) for m in payload.get("messages") or () if isinstance(m, dict))
+    return _count_words(payload.get("prompt", ""))
+
+
+def _response(status: int, body: bytes, content_type: bytes = b"application/json", extra: bytes = b"") -> bytes:
+    return (b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n%s\r\n"
+            % (status, _REASONS.get(status, "Error").encode(), content_type, len(body), extra)) + body
+
+
+def _error(status: int, message: str, extra: bytes = b"") -> bytes:
+    body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "server_error"),
+                      "param": None, "code": None}}
+    return _response(status, json.dumps(body).encode(), extra=extra)
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+def _event(obj: dict) -> bytes:
+    return _chunk(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
+
+
+class _Request:
+    __slots__ = (
+        "chat",
+        "created",
+        "ext",
+        "include_usage",
+        "model",
+        "n",
+        "payload",
+        "prompt",
+        "rid",
+        "stream",
+        "usage",
+    )
+
+    def __init__(self, state: _State, payload: dict, chat: bool):
+        opts = state.options
+        state.seq += 1
+        self.chat = chat
+        self.payload = payload
+        self.model = payload.get("model", "standin")
+        n = payload.get("max_completion_tokens") or payload.get("max_tokens")
+        self.n = int(n) if isinstance(n, int) and n >= 0 else opts.default_max_tokens
+        self.prompt = _prompt_tokens(payload, chat)
+        self.usage = {"prompt_tokens": self.prompt, "completion_tokens": self.n,
+                      "total_tokens": self.prompt + self.n,
+                      "prompt_tokens_details": {"cached_tokens": min(opts.cached_tokens, self.prompt)}}
+        self.ext = ({"device_seconds": (self.prompt + self.n) * opts.device_seconds_per_token,
+                     "utilisation": opts.utilisation} if opts.engine_extension else None)
+        self.rid = f"{'chatcmpl' if chat else 'cmpl'}-standin-{state.seq}"
+        self.created = int(time.time())
+        self.stream = bool(payload.get("stream"))
+        so = payload.get("stream_options")
+        self.include_usage = bool(isinstance(so, dict) and so.get("include_usage"))
+
+    def finish_reason(self) -> str:
+        return "length" if "max_tokens" in self.payload or "max_completion_tokens" in self.payload else "stop"
+
+    def full_body(self) -> bytes:
+        text = " ".join(f"tok{i}" for i in range(self.n))
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": None, "finish_reason": self.finish_reason()}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": self.finish_reason()}
+            obj = "text_completion"
+        body = {"id": self.rid, "object": obj, "created": self.created, "model": self.model,
+                "choices": [choice], "usage": self.usage}
+        if self.ext is not None:
+            body["switchyard"] = self.ext
+        return json.dumps(body, separators=(",", ":")).encode()
+
+    def _base(self) -> dict:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        base = {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
+        if self.include_usage:
+            base["usage"] = None
+        return base
+
+    def token_event(self, i: int) -> bytes:
+        piece = f"tok{i}" if i == 0 else f" tok{i}"
+        if self.chat:
+            delta = {"content": piece} if i else {"role": "assistant", "content": piece}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+        else:
+            choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": None}
+        return _event({**self._base(), "choices": [choice]})
+
+    def tail_events(self) -> bytes:
+        """The finish chunk, the usage chunk when asked for, and [DONE]; the extension rides on the last."""
+        if self.chat:
+            choice = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": self.finish_reason()}
+        else:
+            choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": self.finish_reason()}
+        finish = {**self._base(), "choices": [choice]}
+        out = []
+        if self.include_usage:
+            out.append(_event(finish))
+            last = {**self._base(), "choices": [], "usage": self.usage}
+        else:
+            last = finish
+        if self.ext is not None:
+            last["switchyard"] = self.ext
+        out.append(_event(last))
+        out.append(_chunk(_DONE))
+        out.append(b"0\r\n\r\n")
+        return b"".join(out)
+
+
+class _Connection(asyncio.Protocol):
+    def __init__(self, state: _State):
+        self.state = state
+        self.buf = bytearray()
+        self.transport: asyncio.Transport | None = None
+        self.busy = False  # a request is being answered asynchronously
+        self.in_flight = False  # a response has been started but not finished
+        self.closed = False
+        self.lost = asyncio.Event()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.state.connections.add(self)
+        self.state.stats.open_connections += 1
+        self.state.stats.connections_total += 1
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.state.connections.discard(self)
+        self.state.stats.open_connections -= 1
+        if self.in_flight:
+            self.state.stats.disconnects += 1
+            self.state.stats.in_flight -= 1
+            self.in_flight = False
+        self.lost.set()
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        if not self.busy:
+            self._process()
+
+    def _process(self) -> None:
+        while not self.busy and not self.closed:
+            end = self.buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head = bytes(self.buf[:end]).decode("latin-1").split("\r\n")
+            try:
+                method, target, _ = head[0].split(" ", 2)
+            except ValueError:
+                self._write_close(_error(400, "malformed request line"))
+                return
+            headers = {}
+            for line in head[1:]:
+                k, _, v = line.partition(":")
+                headers[k.strip().lower()] = v.strip()
+            if "chunked" in headers.get("transfer-encoding", ""):
+                self._write_close(_error(411, "send a content-length"))
+                return
+            length = int(headers.get("content-length") or 0)
+            if len(self.buf) < end + 4 + length:
+                return
+            body = bytes(self.buf[end + 4:end + 4 + length])
+            del self.buf[:end + 4 + length]
+            self._dispatch(method, target.split("?", 1)[0], body)
+            if headers.get("connection", "").lower() == "close" and not self.busy:
+                self.transport.close()
+                return
+
+    def _write_close(self, data: bytes) -> None:
+        self.transport.write(data)
+        self.transport.close()
+
+    def _dispatch(self, method: str, path: str, body: bytes) -> None:
+        if path.startswith("/v1/"):
+            path = path[3:]
+        if path in ("/chat/completions", "/completions") and method == "POST":
+            self._completion(body, path == "/chat/completions")
+        elif path == "/_control":
+            self._control(method, body)
+        elif path == "/models" and method == "GET":
+            self.transport.write(_response(200, b'{"object":"list","data":[{"id":"standin","object":"model",'
+                                                b'"created":0,"owned_by":"standin"}]}'))
+        elif path == "/health":
+            self.transport.write(_response(200, b'{"status":"ok"}'))
+        else:
+            self.transport.write(_error(404, f"no route {method} {path}"))
+
+    def _control(self, method: str, body: bytes) -> None:
+        if method == "POST":
+            try:
+                self.state.control(json.loads(body or b"{}"))
+            except (ValueError, TypeError, AttributeError) as e:
+                self.transport.write(_error(400, str(e)))
+                return
+        self.transport.write(_response(200, json.dumps(self.state.snapshot()).encode()))
+
+    def _completion(self, body: bytes, chat: bool) -> None:
+        state, stats, opts = self.state, self.state.stats, self.state.options
+        stats.requests += 1
+        if chat:
+            stats.chat_requests += 1
+        else:
+            stats.completion_requests += 1
+        try:
+            payload = json.loads(body)
+            if not isinstance(payload, dict):
+                raise TypeError("body must be a JSON object")
+        except (ValueError, TypeError) as e:
+            self.transport.write(_error(400, f"invalid JSON body: {e}"))
+            return
+        stats.last_payload = payload
+        if opts.drop_next > 0:
+            opts.drop_next -= 1
+            stats.failed += 1
+            self.transport.abort()
+            return
+        if opts.fail_next > 0:
+            opts.fail_next -= 1
+            stats.failed += 1
+            extra = b"retry-after: %s\r\n" % str(opts.retry_after).encode() if opts.retry_after is not None else b""
+            self.transport.write(_error(opts.fail_status, f"standin: injected {opts.fail_status}", extra))
+            return
+        req = _Request(state, payload, chat)
+        if opts.first_byte_delay_ms or opts.token_delay_ms or opts.drop_after_tokens is not None:
+            self.busy = True
+            self._begin()
+            asyncio.get_running_loop().create_task(self._answer_slowly(req))
+            return
+        if req.stream:
+            parts = [_SSE_HEAD]
+            parts.extend(req.token_event(i) for i in range(req.n))
+            parts.append(req.tail_events())
+            self.transport.write(b"".join(parts))
+        else:
+            self.transport.write(_response(200, req.full_body()))
+        stats.completed += 1
+
+    def _begin(self) -> None:
+        self.in_flight = True
+        self.state.stats.in_flight += 1
+
+    def _end(self) -> None:
+        if self.in_flight:
+            self.in_flight = False
+            self.state.stats.in_flight -= 1
+
+    async def _sleep_or_lost(self, ms: float) -> bool:
+        """Sleep; True if the client went away meanwhile."""
+        if ms > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.lost.wait(), ms / 1000)
+        return self.closed
+
+    async def _answer_slowly(self, req: _Request) -> None:
+        opts = self.state.options
+        try:
+            if await self._sleep_or_lost(opts.first_byte_delay_ms):
+                return
+            if not req.stream:
+                self.transport.write(_response(200, req.full_body()))
+                self._end()
+                self.state.stats.completed += 1
+                return
+            self.transport.write(_SSE_HEAD)
+            for i in range(req.n):
+                if i and await self._sleep_or_lost(opts.token_delay_ms):
+                    return
+                if opts.drop_after_tokens is not None and i >= opts.drop_after_tokens:
+                    self._end()
+                    self.state.stats.failed += 1
+                    self.transport.abort()
+                    return
+                self.transport.write(req.token_event(i))
+                if self.closed:
+                    return
+            if await self._sleep_or_lost(opts.token_delay_ms):
+                return
+            self.transport.write(req.tail_events())
+            self._end()
+            self.state.stats.completed += 1
+        finally:
+            self.busy = False
+            if not self.closed:
+                self._process()
+
+
+async def serve_standin(host: str = "127.0.0.1", port: int = 0, options: StandinOptions | None = None,
+                        ) -> asyncio.Server:
+    """Start the stand-in on the running loop; the caller owns the returned server
+    (`close_standin(server)` also drops its open keep-alive connections)."""
+    state = _State(options or StandinOptions())
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(lambda: _Connection(state), host, port, backlog=1024)
+    server._standin_state = state  # type: ignore[attr-defined]
+    return server
+
+
+async def close_standin(server: asyncio.Server) -> None:
+    server.close()
+    for conn in list(server._standin_state.connections):  # type: ignore[attr-defined]
+        conn.transport.abort()
+    await asyncio.sleep(0)
+    await server.wait_closed()
+
+
+def _base_url(server: asyncio.Server) -> str:
+    host, port = server.sockets[0].getsockname()[:2]
+    return f"http://{host}:{port}/v1"
+
+
+@contextlib.contextmanager
+def run_standin(port: int = 0, *, subprocess_mode: bool = False, host: str = "127.0.0.1",
+                **opts: Any) -> Iterator[str]:
+    """Run the stand-in in a background thread (default) or a child process; yields "http://HOST:PORT/v1".
+
+    `opts` are StandinOptions fields. Use the subprocess mode for benchmarks so the stand-in does not share
+    a GIL with the code being measured.
+    """
+    options = StandinOptions(**opts)
+    if subprocess_mode:
+        yield from _run_in_subprocess(host, port, options)
+        return
+    ready = threading.Event()
+    holder: dict[str, Any] = {}
+
+    def main() -> None:
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        try:
+            server = loop.run_until_complete(serve_standin(host, port, options))
+        except OSError as e:  # surface bind errors to the caller
+            holder["error"] = e
+            ready.set()
+            loop.close()
+            return
+        holder.update(loop=loop, url=_base_url(server))
+        ready.set()
+        loop.run_forever()
+        for task in asyncio.all_tasks(loop):
+            task.cancel()
+        loop.run_until_complete(close_standin(server))
+        loop.close()
+
+    thread = threading.Thread(target=main, name="standin", daemon=True)
+    thread.start()
+    ready.wait(10)
+    if "error" in holder:
+        raise holder["error"]
+    try:
+        yield holder["url"]
+    finally:
+        holder["loop"].call_soon_threadsafe(holder["loop"].stop)
+        thread.join(5)
+
+
+def _run_in_subprocess(host: str, port: int, options: StandinOptions) -> Iterator[str]:
+    args = [sys.executable, "-m", "gateway.standin", "--host", host, "--port", str(port),
+            "--options", json.dumps(dataclasses.asdict(options))]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline() if proc.stdout else ""
+        if not line.startswith("standin listening on "):
+            raise RuntimeError(f"stand-in failed to start (exit {proc.poll()}): {line!r}")
+        yield line.removeprefix("standin listening on ").strip()
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _control_url(base_url: str) -> str:
+    return base_url.rstrip("/").removesuffix("/v1") + "/_control"
+
+
+def standin_control(base_url: str, **opts: Any) -> dict:
+    """Set options (or `reset=True`) on a running stand-in; returns its state."""
+    import httpx
+
+    r = httpx.post(_control_url(base_url), json=opts, timeout=5)
+    r.raise_for_status()
+    return r.json()
+
+
+def standin_stats(base_url: str) -> dict:
+    """Counters, options and the last payload of a running stand-in."""
+    import httpx
+
+    r = httpx.get(_control_url(base_url), timeout=5)
+    r.raise_for_status()
+    return r.json()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m gateway.standin",
+                                description="A fast stand-in OpenAI-compatible upstream (tests, benchmarks).")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--engine-extension", action="store_true",
+                   help='add the engine\'s "switchyard": {device_seconds, utilisation} object')
+    p.add_argument("--token-delay-ms", type=float, default=0.0)
+    p.add_argument("--first-byte-delay-ms", type=float, default=0.0)
+    p.add_argument("--options", default=None, help="StandinOptions as JSON (overrides the flags)")
+    args = p.parse_args(argv)
+    options = StandinOptions(engine_extension=args.engine_extension, token_delay_ms=args.token_delay_ms,
+                             first_byte_delay_ms=args.first_byte_delay_ms)
+    if args.options:
+        options = StandinOptions(**json.loads(args.options))
+
+    async def run() -> None:
+        server = await serve_standin(args.host, args.port, options)
+        print(f"standin listening on {_base_url(server)}", flush=True)
+        async with server:
+            await server.serve_forever()
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(run())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
