@@ -29,6 +29,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy import text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.sql.dml import Insert
 
 from gateway.db import async_url, create_engine
 from gateway.ledger.models import RequestRow
@@ -48,9 +49,23 @@ BATCH_SECONDS = Histogram("switchyard_ledger_batch_write_seconds", "Time to writ
                           buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
 
 _TABLE = RequestRow.__table__
-_COLUMNS = [c.name for c in _TABLE.columns if c.name != "id"]
-# Bind-parameter ceiling per statement (PostgreSQL allows 32767, SQLite ≥3.32 allows 32766).
-_MAX_ROWS_PER_STATEMENT = max(1, 30_000 // len(_COLUMNS))
+
+
+def _insert_statement(dialect: str) -> Insert:
+    """INSERT into requests that skips rows whose request_id is already there (replays are idempotent).
+
+    Executed with a list of rows, SQLAlchemy renders this one cached statement as a single multi-row
+    `INSERT … VALUES (…), (…) ON CONFLICT DO NOTHING RETURNING request_id` ("insertmanyvalues"), so no
+    statement is compiled per batch on the event loop. RETURNING is what enables that batching here and
+    it also tells how many rows were new (SQLite ≥ 3.35 supports it).
+    """
+    if dialect == "postgresql":
+        stmt = postgresql.insert(_TABLE).on_conflict_do_nothing(index_elements=["request_id"])
+    elif dialect == "sqlite":
+        stmt = sqlite.insert(_TABLE).on_conflict_do_nothing(index_elements=["request_id"])
+    else:
+        raise RuntimeError(f"unsupported ledger database dialect: {dialect} (use SQLite or PostgreSQL)")
+    return stmt.returning(_TABLE.c.request_id)
 
 
 @dataclass(slots=True)
@@ -117,6 +132,7 @@ class LedgerWriter:
         self._backoff = retry_initial_s
         self._retry_at = 0.0
         self._engine: AsyncEngine | None = None
+        self._insert: Insert | None = None
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         self._closed = False
@@ -141,6 +157,7 @@ class LedgerWriter:
             # A hung statement must not stall the ledger forever: it fails, and the batch is spooled.
             engine_kwargs["connect_args"] = {"command_timeout": 30}
         self._engine = create_engine(self.database_url, **engine_kwargs)
+        self._insert = _insert_statement(self._engine.dialect.name)
         self._task = asyncio.create_task(self._run(), name="ledger-writer")
 
     def submit(self, record: LedgerRecord) -> None:
@@ -287,17 +304,6 @@ class LedgerWriter:
 
     # ---- database -----------------------------------------------------------------------------
 
-    def _insert_statement(self, rows: list[dict[str, Any]]):
-        assert self._engine is not None
-        dialect = self._engine.dialect.name
-        if dialect == "postgresql":
-            stmt = postgresql.insert(_TABLE).values(rows)
-        elif dialect == "sqlite":
-            stmt = sqlite.insert(_TABLE).values(rows)
-        else:  # pragma: no cover - only SQLite and PostgreSQL are supported
-            raise RuntimeError(f"unsupported ledger database dialect: {dialect}")
-        return stmt.on_conflict_do_nothing(index_elements=["request_id"])
-
     async def _insert_rows(self, rows: list[dict[str, Any]]) -> int:
         """Insert rows (conflicts ignored) in one transaction; returns rows actually inserted.
 
@@ -307,12 +313,9 @@ class LedgerWriter:
         assert self._engine is not None
         started = time.perf_counter()
         try:
-            inserted = 0
             async with self._engine.begin() as conn:
-                for i in range(0, len(rows), _MAX_ROWS_PER_STATEMENT):
-                    chunk = rows[i:i + _MAX_ROWS_PER_STATEMENT]
-                    result = await conn.execute(self._insert_statement(chunk))
-                    inserted += max(result.rowcount, 0)
+                result = await conn.execute(self._insert, rows)
+                inserted = len(result.all())
         except Exception as exc:  # classified below
             if _is_row_error(exc) and len(rows) > 1:
                 return await self._insert_one_by_one(rows)
