@@ -13,6 +13,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -108,6 +110,7 @@ class LedgerWriter:
         self.spool_path = Path(spool_path)
         self.replay_path = self.spool_path.with_name(self.spool_path.name + ".replaying")
         self.rejected_path = self.spool_path.with_name(self.spool_path.name + ".rejected")
+        self.lock_path = self.spool_path.with_name(self.spool_path.name + ".lock")
         self.max_queue = max_queue
         self.batch_size = batch_size
         self.flush_interval_s = flush_interval_s
@@ -134,6 +137,8 @@ class LedgerWriter:
         self._engine: AsyncEngine | None = None
         self._insert: Insert | None = None
         self._task: asyncio.Task[None] | None = None
+        self._inflight: list[LedgerRecord] | None = None  # popped from the queue, not yet durable
+        self._lock_fd: int | None = None
         self._closing = False
         self._closed = False
 
@@ -152,6 +157,7 @@ class LedgerWriter:
         if self._task is not None:
             return
         self.spool_path.parent.mkdir(parents=True, exist_ok=True)
+        self._take_spool_lock()
         engine_kwargs: dict[str, Any] = {}
         if async_url(self.database_url).startswith("postgresql+asyncpg"):
             # A hung statement must not stall the ledger forever: it fails, and the batch is spooled.
@@ -187,18 +193,30 @@ class LedgerWriter:
             await asyncio.wait({fut, self._task}, return_when=asyncio.FIRST_COMPLETED)
         await self._sync_spool()
 
-    async def close(self) -> None:
-        """Graceful shutdown: write (or spool) everything queued, try a last replay, release the DB."""
+    async def close(self, timeout_s: float | None = 60.0) -> None:
+        """Graceful shutdown: write (or spool) everything queued, try a last replay, release the DB.
+
+        If the database hangs past `timeout_s`, the rows not yet written are spooled instead (they
+        replay at the next start), so shutdown is bounded and still loses nothing.
+        """
         if self._closed:
             return
         self._closing = True
         self._urgent.set()
         self._wake.set()
         if self._task is not None:
-            try:
-                await self._task
-            except Exception:  # the loop logs its own errors; the queue is handled below
-                log.exception("ledger writer task failed")
+            done, _ = await asyncio.wait({self._task}, timeout=timeout_s)
+            if not done:
+                log.error("ledger writer still busy after %ss at shutdown; spooling the rest", timeout_s)
+                self._task.cancel()
+                with contextlib.suppress(BaseException):
+                    await self._task
+            elif not self._task.cancelled() and self._task.exception() is not None:
+                log.error("ledger writer task failed", exc_info=self._task.exception())
+        if self._inflight:
+            batch, self._inflight = self._inflight, None
+            if await self._spool_batch(batch, "closed"):
+                self._mark_handled(len(batch))
         if self._queue:
             await self._spool_queue_directly()
         await self._sync_spool()
@@ -208,7 +226,23 @@ class LedgerWriter:
                 os.close(self._spool_fd)
                 self._spool_fd = None
         if self._engine is not None:
-            await self._engine.dispose()
+            with contextlib.suppress(Exception, TimeoutError):
+                await asyncio.wait_for(self._engine.dispose(), 10)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = None
+
+    def _take_spool_lock(self) -> None:
+        """One writer per spool file: a second process renaming the spool under us would lose rows."""
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise RuntimeError(
+                f"ledger spool {self.spool_path} is in use by another writer; give each gateway process "
+                f"its own spool path") from None
+        self._lock_fd = fd
 
     # ---- background loop ----------------------------------------------------------------------
 
@@ -257,6 +291,11 @@ class LedgerWriter:
         return batch
 
     async def _handle_batch(self, batch: list[LedgerRecord]) -> None:
+        self._inflight = batch
+        await self._write_or_spool(batch)
+        self._inflight = None  # not in a finally: if close() cancels us, it spools what is in flight
+
+    async def _write_or_spool(self, batch: list[LedgerRecord]) -> None:
         if self._db_up:
             rows = [r.to_row() for r in batch]
             try:

@@ -129,7 +129,9 @@ def test_switchyard_db_upgrade_from_another_cwd(tmp_path: Path) -> None:
     """The real console entry point, run from a directory with no alembic.ini or migrations/."""
     url = f"sqlite:///{tmp_path / 'cli.db'}"
     env = {**os.environ, "SWITCHYARD_MIGRATIONS_DIR": ""}
-    proc = subprocess.run([sys.executable, "-m", "gateway.cli", "db", "upgrade", "--database-url", url],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    script = Path(sys.executable).parent / "switchyard"
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "gateway.cli"]
+    proc = subprocess.run([*cmd, "db", "upgrade", "--database-url", url],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
     assert db.current_revision(url) == db.head_revision()

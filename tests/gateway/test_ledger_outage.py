@@ -25,6 +25,8 @@ class TcpProxy:
         self.port = 0
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
+        self._flowing = asyncio.Event()
+        self._flowing.set()
         self.connections = 0
 
     async def start(self) -> None:
@@ -32,6 +34,7 @@ class TcpProxy:
         self.port = self._server.sockets[0].getsockname()[1]
 
     async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        await self._flowing.wait()
         try:
             up_r, up_w = await asyncio.open_connection(*self.target)
         except OSError:
@@ -43,6 +46,7 @@ class TcpProxy:
         async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
             try:
                 while data := await src.read(65536):
+                    await self._flowing.wait()
                     dst.write(data)
                     await dst.drain()
             except (ConnectionError, OSError):
@@ -64,6 +68,13 @@ class TcpProxy:
 
     async def restore(self) -> None:
         await self.start()
+
+    def stall(self) -> None:
+        """Keep every connection open but stop moving bytes: a hung server or a black-holed network."""
+        self._flowing.clear()
+
+    def unstall(self) -> None:
+        self._flowing.set()
 
     def url_for(self, pg_url: str) -> str:
         return make_url(pg_url).set(host="127.0.0.1", port=self.port).render_as_string(hide_password=False)
@@ -140,3 +151,45 @@ async def test_restarted_process_replays_what_the_old_one_spooled(pg_url: str, t
     assert_exactly_once(pg_url, set(ids))
     assert new.stats.replayed == 400 - in_db
     assert not spool.exists() and not new.replay_path.exists()
+
+
+async def test_hung_database_shutdown_is_bounded_and_loses_nothing(pg_url: str, tmp_path) -> None:
+    """The server stops answering (no reset, no refusal): close() gives up on time and spools the rest."""
+    upgrade(pg_url)
+    proxy = await _proxy_to(pg_url)
+    spool = tmp_path / "spool.jsonl"
+    ids: list[str] = []
+    old = LedgerWriter(proxy.url_for(pg_url), spool, batch_size=50, flush_interval_s=0.02)
+    await old.start()
+    await _produce(old, ids, "hang", 0, 100, 0.2)
+    await old.flush()
+    proxy.stall()
+    await _produce(old, ids, "hang", 100, 200, 0.2)  # one batch hangs in flight, the rest queue up
+    started = time.monotonic()
+    await old.close(timeout_s=1.0)
+    assert time.monotonic() - started < 5
+    assert sum(request_id_counts(pg_url).values()) == 100
+    assert spool_lines(spool) >= 200
+
+    proxy.unstall()
+    new = LedgerWriter(pg_url, spool)  # e.g. restarted with the proxy gone
+    await new.start()
+    await new.close()
+    assert_exactly_once(pg_url, set(ids))
+    await proxy.cut()
+
+
+async def test_one_writer_per_spool(sqlite_url: str, tmp_path) -> None:
+    upgrade(sqlite_url)
+    first = LedgerWriter(sqlite_url, tmp_path / "spool.jsonl")
+    await first.start()
+    second = LedgerWriter(sqlite_url, tmp_path / "spool.jsonl")
+    try:
+        await second.start()
+    except RuntimeError as exc:
+        assert "in use by another writer" in str(exc)
+    else:
+        raise AssertionError("a second writer on the same spool must be refused")
+    await first.close()
+    await second.start()  # free again once the first has closed
+    await second.close()
