@@ -1,0 +1,150 @@
+"""What every backend returns and raises: the OpenAI JSON body, token usage, and a typed upstream error."""
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from gateway.policy import BackendSpec
+
+Endpoint = Literal["chat", "completions"]
+ErrorKind = Literal["timeout", "connect", "http", "protocol"]
+
+# 408 (request timeout), 409 (OpenAI's lock timeout), 429 (rate limit) and 5xx are worth another try.
+RETRYABLE_STATUSES = frozenset({408, 409, 429})
+
+
+def is_retryable_status(status: int) -> bool:
+    return status >= 500 or status in RETRYABLE_STATUSES
+
+
+class UpstreamError(Exception):
+    """A backend call that failed. `retryable` says whether another attempt (or backend) may succeed."""
+
+    def __init__(self, message: str, *, kind: ErrorKind, status: int | None = None, retryable: bool = True,
+                 body: dict | None = None, retry_after: float | None = None, backend: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.kind = kind
+        self.status = status
+        self.retryable = retryable
+        self.body = body  # the upstream's OpenAI error body, when it sent one
+        self.retry_after = retry_after  # seconds, from the upstream's Retry-After header
+        self.backend = backend
+        self.attempts = 0  # set by the fallback loop: attempts made before giving up
+
+    def __repr__(self) -> str:
+        return (f"UpstreamError({self.message!r}, kind={self.kind!r}, status={self.status}, "
+                f"retryable={self.retryable}, backend={self.backend!r})")
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+
+
+@dataclass(slots=True)
+class Completion:
+    body: dict  # the OpenAI response: chat.completion or text_completion
+    usage: Usage
+    device_seconds: float | None = None  # engine backends: device time spent on this request
+    utilisation: float | None = None  # engine backends: the engine's measured busy fraction
+
+
+def usage_from_dict(usage: dict | None) -> Usage | None:
+    """An OpenAI `usage` object as Usage (None when absent)."""
+    if not usage:
+        return None
+    details = usage.get("prompt_tokens_details") or {}
+    return Usage(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0),
+                 int(details.get("cached_tokens") or 0))
+
+
+def usage_from_chunk(chunk: dict) -> Usage | None:
+    """The usage carried by a response body or stream chunk (the last chunk, with include_usage)."""
+    return usage_from_dict(chunk.get("usage"))
+
+
+def engine_stats(body: dict) -> tuple[float | None, float | None]:
+    """(device_seconds, utilisation) from the engine's top-level "switchyard" extension object."""
+    ext = body.get("switchyard")
+    if not isinstance(ext, dict):
+        return None, None
+    ds, ut = ext.get("device_seconds"), ext.get("utilisation")
+    return (float(ds) if ds is not None else None, float(ut) if ut is not None else None)
+
+
+class StreamTally:
+    """Follows a stream's chunks: the final usage and engine figures, or a count of what was produced.
+
+    When a stream ends early (client gone, upstream cut) there is no usage chunk; `usage()` then falls back
+    to one completion token per content-bearing chunk, which is what engines and OpenAI send.
+    """
+
+    __slots__ = ("_usage", "chunks", "content_chunks", "device_seconds", "keep_text", "parts", "utilisation")
+
+    def __init__(self, keep_text: bool = False):
+        self._usage: Usage | None = None
+        self.chunks = 0
+        self.content_chunks = 0
+        self.device_seconds: float | None = None
+        self.utilisation: float | None = None
+        self.keep_text = keep_text
+        self.parts: list[str] = []
+
+    def observe(self, chunk: dict) -> None:
+        self.chunks += 1
+        for choice in chunk.get("choices") or ():
+            delta = choice.get("delta")
+            text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
+            if text:
+                self.content_chunks += 1
+                if self.keep_text:
+                    self.parts.append(text)
+        if chunk.get("usage"):
+            self._usage = usage_from_dict(chunk["usage"])
+        if "switchyard" in chunk:
+            self.device_seconds, self.utilisation = engine_stats(chunk)
+
+    @property
+    def complete_usage(self) -> bool:
+        return self._usage is not None
+
+    def usage(self, prompt_tokens: int = 0) -> Usage:
+        """The upstream's usage if it arrived, else `prompt_tokens` (the caller's count) and chunks seen."""
+        if self._usage is not None:
+            return self._usage
+        return Usage(prompt_tokens, self.content_chunks, 0)
+
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+class Backend(abc.ABC):
+    """One upstream. Implementations are safe to share between concurrent requests."""
+
+    def __init__(self, spec: BackendSpec):
+        self.name = spec.name
+        self.spec = spec
+
+    @abc.abstractmethod
+    async def complete(self, payload: dict, endpoint: Endpoint) -> Completion:
+        """Send a non-streaming request; raise UpstreamError on failure."""
+
+    @abc.abstractmethod
+    def stream(self, payload: dict, endpoint: Endpoint) -> AsyncIterator[dict]:
+        """Yield OpenAI chunk dicts; the last one carries usage (include_usage is always requested).
+
+        Callers must close the iterator (`aclose()`, or `contextlib.aclosing`) when they stop early; closing
+        or cancelling it closes the upstream connection, so the upstream sees the disconnect.
+        """
+
+    async def aclose(self) -> None:
+        """Release pooled connections."""
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name} model={self.spec.model!r}>"
