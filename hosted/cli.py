@@ -41,6 +41,7 @@ def _add_train_demo(esub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--export-only", action="store_true", help="export the checkpoint in --work-dir; no training")
 
     def run(args: argparse.Namespace) -> int:
         from hosted.train_demo import cli_train_demo
