@@ -108,7 +108,7 @@ def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
                           f"{', '.join(unexpected[:10])}{' …' if len(unexpected) > 10 else ''}")
     missing = expected - loaded
     if missing:
-        names = sorted(f"{n}[{s}]" if s is not None else n for n, s in missing)
+        names = sorted(_hf_name(n, s) for n, s in missing)
         raise ConfigError(f"checkpoint lacks weights for: {', '.join(names[:10])}"
                           f"{' …' if len(names) > 10 else ''}")
 
@@ -135,6 +135,19 @@ def _map_name(hf_name: str, cfg: ModelConfig) -> tuple[str, int | None] | None:
     if module in _PLAIN:
         return f"layers.{layer}.{module}.{leaf}", None
     return "", None
+
+
+def _hf_name(name: str, shard: int | None) -> str:
+    """The checkpoint tensor name that fills our (param, shard), for error messages."""
+    if name in ("embed_tokens.weight", "norm.weight"):
+        return f"model.{name}"
+    if name == "lm_head.weight":
+        return name
+    module, _, leaf = name.rpartition(".")
+    for hf, (ours, idx) in _MERGED.items():
+        if module.endswith(ours) and idx == shard:
+            return f"model.{module[: -len(ours)]}{hf}.{leaf}"
+    return f"model.{name}"
 
 
 def _copy_into(model: LlamaForCausalLM, param: torch.nn.Parameter, name: str, shard: int | None,

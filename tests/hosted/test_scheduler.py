@@ -1,0 +1,100 @@
+"""Scheduling decisions, driven without a model: a fake step advances what the batch computed."""
+from __future__ import annotations
+
+from hosted.block_manager import BlockManager
+from hosted.sampling import SamplingParams
+from hosted.scheduler import ScheduledBatch, Scheduler
+from hosted.sequence import SeqStatus, Sequence
+
+
+def make(n_tokens: int, arrival: int) -> Sequence:
+    return Sequence(request_id=f"r{arrival}", token_ids=[arrival + 1] * n_tokens, num_prompt_tokens=n_tokens,
+                    params=SamplingParams(), arrival=arrival)
+
+
+def fake_step(sched: Scheduler, batch: ScheduledBatch) -> None:
+    for seq, n in batch.items:
+        seq.num_computed_tokens += n
+        sched.bm.register_computed_blocks(seq)
+        if seq.num_computed_tokens == seq.num_tokens:
+            seq.token_ids.append(0)
+
+
+def test_decodes_first_then_prefill_chunks_within_budget():
+    sched = Scheduler(BlockManager(64, 4, enable_prefix_caching=False), max_num_seqs=8, max_num_batched_tokens=10)
+    a, b = make(3, 0), make(2, 1)
+    sched.add(a)
+    sched.add(b)
+    fake_step(sched, sched.schedule())  # both prefill fully (5 tokens)
+    long = make(23, 2)
+    sched.add(long)
+    batch = sched.schedule()
+    # Both decodes are served, then the long prompt gets the remaining 8 tokens as a chunk.
+    assert [(s.request_id, n) for s, n in batch.items] == [("r0", 1), ("r1", 1), ("r2", 8)]
+    assert batch.num_decodes == 2 and batch.num_tokens == 10
+    fake_step(sched, batch)
+    batch = sched.schedule()
+    assert [(s.request_id, n) for s, n in batch.items] == [("r0", 1), ("r1", 1), ("r2", 8)]
+    fake_step(sched, batch)
+    batch = sched.schedule()
+    assert [(s.request_id, n) for s, n in batch.items] == [("r0", 1), ("r1", 1), ("r2", 7)]
+    fake_step(sched, batch)
+    assert long.num_output_tokens == 1  # its prompt finished in the third chunk and sampled
+
+
+def test_max_num_seqs_bounds_running():
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=2, max_num_batched_tokens=100)
+    for i in range(4):
+        sched.add(make(3, i))
+    batch = sched.schedule()
+    assert len(batch.items) == 2 and len(sched.waiting) == 2
+
+
+def test_preempts_newest_and_requeues_by_arrival():
+    bm = BlockManager(num_blocks=8, block_size=2, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100)
+    seqs = [make(4, i) for i in range(4)]  # 2 blocks each: the pool is exactly full after prefill
+    for s in seqs:
+        sched.add(s)
+    fake_step(sched, sched.schedule())
+    assert bm.num_free_blocks == 0
+    # Each now needs a third block for its 5th token. Preempting r3 frees two: r0 and r1 get them;
+    # r2 is then the newest running sequence and preempts itself.
+    batch = sched.schedule()
+    assert [s.request_id for s, _ in batch.items] == ["r0", "r1"]
+    assert [s.request_id for s in batch.preempted] == ["r3", "r2"]
+    assert sched.num_preemptions == 2
+    assert [s.request_id for s in sched.waiting] == ["r2", "r3"]
+    assert seqs[3].status is SeqStatus.WAITING and seqs[3].block_table == [] and seqs[3].num_computed_tokens == 0
+    fake_step(sched, batch)
+    sched.remove(seqs[0])
+    # A preempted sequence recomputes prompt + generated tokens (4 + 1) when it comes back; r3 must wait.
+    batch = sched.schedule()
+    assert [(s.request_id, n) for s, n in batch.items] == [("r1", 1), ("r2", 5)]
+    assert [s.request_id for s in sched.waiting] == ["r3"]
+
+
+def test_waiting_work_never_preempts_running_work():
+    bm = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100)
+    a = make(6, 0)
+    sched.add(a)
+    fake_step(sched, sched.schedule())
+    sched.add(make(4, 1))  # needs 2 blocks, 1 is free: must wait
+    batch = sched.schedule()
+    assert [s.request_id for s, _ in batch.items] == ["r0"] and not batch.preempted
+    assert len(sched.waiting) == 1
+
+
+def test_prefix_hits_skip_budget_and_count_once():
+    bm = BlockManager(num_blocks=32, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100)
+    first = make(13, 0)
+    sched.add(first)
+    fake_step(sched, sched.schedule())
+    again = Sequence(request_id="x", token_ids=list(first.token_ids[:13]) + [5, 6], num_prompt_tokens=15,
+                     params=SamplingParams(), arrival=1)
+    sched.add(again)
+    batch = sched.schedule()
+    assert {s.request_id: n for s, n in batch.items}["x"] == 3  # 12 tokens came from the cache
+    assert again.num_cached_tokens == 12 and bm.prefix_hit_tokens == 12
