@@ -21,7 +21,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -248,20 +248,31 @@ class LedgerWriter:
     # ---- background loop ----------------------------------------------------------------------
 
     async def _run(self) -> None:
-        await self._replay_if_due(force=True)
+        await self._guarded(self._replay_if_due(force=True))  # a previous process's spool
         while True:
-            try:
-                batch = await self._next_batch()
-                if batch:
-                    await self._handle_batch(batch)
-                if self._closing and not self._queue:
-                    break
-                await self._replay_if_due()
-            except Exception:  # keep the writer alive whatever happens
-                log.exception("ledger writer loop error")
-                await asyncio.sleep(0.1)
+            batch = await self._next_batch()
+            if batch:
+                await self._guarded(self._handle_batch(batch))
+            if self._closing and not self._queue:
+                break
+            await self._guarded(self._replay_if_due())
         # Last chance to leave an empty spool behind: ignore the backoff timer once.
-        await self._replay_if_due(force=True)
+        await self._guarded(self._replay_if_due(force=True))
+
+    async def _guarded(self, step: Awaitable[None]) -> None:
+        """Run one step; an unexpected error is logged and the rows in flight are spooled, not dropped."""
+        try:
+            await step
+        except Exception:  # keep the writer alive whatever happens
+            log.exception("ledger writer error")
+            if self._inflight:
+                batch, self._inflight = self._inflight, None
+                if await self._spool_batch(batch, "db_unavailable"):
+                    self._mark_handled(len(batch))
+                else:
+                    self._queue.extendleft(reversed(batch))
+                    QUEUE_DEPTH.inc(len(batch))
+            await asyncio.sleep(0.1)
 
     def _idle_timeout(self) -> float | None:
         if not self._spool_pending and self._db_up:
@@ -417,8 +428,8 @@ class LedgerWriter:
 
     def _spool_now(self, record: LedgerRecord, reason: str) -> None:
         """Synchronous spool append for rows that cannot be queued (fsync'd later by flush/close)."""
-        line = json.dumps(record.to_json()) + "\n"
         try:
+            line = json.dumps(record.to_json(), default=str) + "\n"
             if self._closed:  # after close(): no background task will fsync, so do it now
                 with self._spool_lock:
                     self._append_lines(self.spool_path, [line], fsync=True)
@@ -435,9 +446,24 @@ class LedgerWriter:
         self.stats.spooled += 1
         ROWS_SPOOLED.labels(reason).inc()
 
+    def _serialize(self, batch: list[LedgerRecord]) -> bytes:
+        """JSONL for the spool; a record too malformed to serialize goes to the .rejected file instead."""
+        lines, bad = [], []
+        for r in batch:
+            try:
+                lines.append(json.dumps(r.to_json(), default=str) + "\n")
+            except Exception as exc:  # noqa: BLE001 - e.g. created_at that is not a datetime
+                bad.append(json.dumps({"error": f"unserializable record: {exc!r}", "line": repr(r)}) + "\n")
+        if bad:
+            log.error("ledger got %d malformed record(s); kept in %s", len(bad), self.rejected_path)
+            self.stats.rejected += len(bad)
+            ROWS_REJECTED.inc(len(bad))
+            self._append_lines(self.rejected_path, bad, fsync=True)
+        return "".join(lines).encode()
+
     async def _spool_batch(self, batch: list[LedgerRecord], reason: str) -> bool:
-        data = "".join(json.dumps(r.to_json()) + "\n" for r in batch).encode()
         try:
+            data = await asyncio.to_thread(self._serialize, batch)
             await asyncio.to_thread(self._spool_write, data, fsync=True)
         except Exception:
             log.exception("ledger spool write failed (%d rows kept in memory)", len(batch))

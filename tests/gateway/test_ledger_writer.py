@@ -245,3 +245,15 @@ def test_hard_crash_after_flush_loses_nothing(sqlite_url: str, tmp_path: Path) -
     w = asyncio.run(replay())
     assert w.stats.replayed == 300
     assert_exactly_once(sqlite_url, {f"crash-{i:06d}" for i in range(300)})
+
+
+async def test_malformed_record_is_set_aside_not_retried_forever(migrated_db_url: str, tmp_path: Path) -> None:
+    writer = LedgerWriter(migrated_db_url, tmp_path / "spool.jsonl", batch_size=10, flush_interval_s=0.01)
+    await writer.start()
+    for i in range(25):
+        writer.submit(make_record(i, created_at="yesterday") if i == 3 else make_record(i))
+    await writer.flush()
+    await writer.close()
+    assert_exactly_once(migrated_db_url, {f"req-{i:06d}" for i in range(25) if i != 3})
+    assert writer.stats.rejected == 1
+    assert "req-000003" in writer.rejected_path.read_text()
