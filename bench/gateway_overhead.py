@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loadgen import LoadResult, run_load  # noqa: E402
+from loadgen import LoadResult, run_load
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "sk-bench"
@@ -94,7 +94,7 @@ def ensure_litellm_proxy(venv: Path) -> Path | None:
         version = pkg_version("litellm")
     print(f"creating {venv} with litellm[proxy]=={version} (one-off)…", flush=True)
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    done = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", f"litellm[proxy]=={version}"])
+    done = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", f"litellm[proxy]=={version}"], check=False)
     return exe if done.returncode == 0 and exe.exists() else None
 
 

@@ -6,7 +6,7 @@ import asyncio
 import hashlib
 import secrets
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -55,7 +55,7 @@ async def create_key(engine: AsyncEngine, team: str, *, budget_usd: float | None
     key = generate_key()
     key_hash = hash_key(key)
     row = ApiKey(id=_public_id(key_hash), key_hash=key_hash, team=team, budget_usd=budget_usd, rpm=rpm, tpm=tpm,
-                 is_admin=is_admin, revoked=False, created_at=datetime.now(timezone.utc))
+                 is_admin=is_admin, revoked=False, created_at=datetime.now(UTC))
     async with engine.begin() as conn:
         await conn.execute(ApiKey.__table__.insert().values(**_row_values(row)))
     return key, _info(row)

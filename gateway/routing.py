@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from gateway.policy import RouteSpec
+
+if TYPE_CHECKING:
+    from gateway.app import Gateway
 
 
 @dataclass(slots=True)
@@ -14,7 +18,7 @@ class Decision:
     threshold: float | None = None
 
 
-def decide(route: RouteSpec, body: dict) -> Decision:
+def decide(route: RouteSpec, body: dict, gw: Gateway | None = None) -> Decision:
     """Fixed routes go to their backend, then their fallbacks, in order."""
     chain = [route.backend, *[name for name in route.fallbacks if name != route.backend]]
     return Decision(chain=chain, reason="fixed")

@@ -1,0 +1,74 @@
+"""Request validation and the estimates admission control needs (before any backend is called)."""
+from __future__ import annotations
+
+from gateway import errors
+
+DEFAULT_MAX_TOKENS_ESTIMATE = 4096  # a request without max_tokens may run this long; reserve for it
+
+
+def validate(body: object, endpoint: str) -> dict:
+    """Check what the gateway itself relies on; the backend validates the rest."""
+    if not isinstance(body, dict):
+        raise errors.invalid_request("The request body must be a JSON object.")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise errors.invalid_request("'model' is required and must be a non-empty string.", param="model")
+    if endpoint == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise errors.invalid_request("'messages' must be a non-empty array of messages.", param="messages")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise errors.invalid_request(f"messages[{i}] must be an object with a 'role'.",
+                                             param=f"messages[{i}]")
+    else:
+        prompt = body.get("prompt")
+        if prompt is None or prompt == "" or prompt == []:
+            raise errors.invalid_request("'prompt' is required and must not be empty.", param="prompt")
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise errors.invalid_request("'stream' must be a boolean.", param="stream")
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = body.get(name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise errors.invalid_request(f"'{name}' must be a positive integer.", param=name)
+    stream_options = body.get("stream_options")
+    if stream_options is not None and not isinstance(stream_options, dict):
+        raise errors.invalid_request("'stream_options' must be an object.", param="stream_options")
+    return body
+
+
+def prompt_text(body: dict, endpoint: str) -> str:
+    """The text the model will see, flattened (for token estimates, the router and opt-in logging)."""
+    if endpoint == "chat":
+        parts = []
+        for message in body["messages"]:
+            content = message.get("content")
+            if isinstance(content, str):
+                parts.append(content)
+            elif isinstance(content, list):  # content parts: keep the text ones
+                parts.extend(p.get("text", "") for p in content if isinstance(p, dict))
+        return "\n".join(parts)
+    prompt = body["prompt"]
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        return "\n".join(prompt)
+    return ""
+
+
+def estimate_prompt_tokens(body: dict, endpoint: str) -> int:
+    """A deliberately high estimate (about 3 characters a token, plus per-message overhead)."""
+    if endpoint == "completions" and isinstance(body["prompt"], list) and body["prompt"] \
+            and isinstance(body["prompt"][0], int):
+        return len(body["prompt"])
+    overhead = 8 * len(body["messages"]) if endpoint == "chat" else 0
+    return len(prompt_text(body, endpoint)) // 3 + 1 + overhead
+
+
+def max_tokens(body: dict) -> int:
+    return body.get("max_completion_tokens") or body.get("max_tokens") or DEFAULT_MAX_TOKENS_ESTIMATE
+
+
+def wants_usage_chunk(body: dict) -> bool:
+    options = body.get("stream_options") or {}
+    return bool(options.get("include_usage"))

@@ -1,0 +1,166 @@
+"""The Starlette application: routes, and the lifespan that owns every long-lived part."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import orjson
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncEngine
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from gateway import db, errors, metrics, proxy
+from gateway.auth import Authenticator
+from gateway.backend_pool import BackendPool
+from gateway.backends.resilience import BreakerRegistry
+from gateway.budgets import BudgetBook
+from gateway.embedded import EmbeddedEngines
+from gateway.ledger.models import RequestRow
+from gateway.ledger.writer import LedgerWriter
+from gateway.policy import Policy
+from gateway.policy_store import PolicyStore
+from gateway.ratelimit import RateLimiter
+
+log = logging.getLogger("switchyard.gateway")
+
+
+@dataclass(slots=True)
+class GatewayConfig:
+    policy_path: Path
+    database_url: str
+    data_dir: Path
+    master_key: str | None = None
+    wait_for_engines_s: float = 120.0  # at start, how long to wait for embedded engines to be healthy
+
+
+@dataclass(slots=True)
+class Gateway:
+    """Everything the request path needs, built once in the lifespan."""
+
+    config: GatewayConfig
+    db_engine: AsyncEngine
+    writer: LedgerWriter
+    policy_store: PolicyStore
+    pool: BackendPool
+    embedded: EmbeddedEngines
+    auth: Authenticator
+    breakers: BreakerRegistry = field(default_factory=BreakerRegistry)
+    limiter: RateLimiter = field(default_factory=RateLimiter)
+    budgets: BudgetBook | None = None
+    started_at: float = field(default_factory=time.time)
+
+
+async def _spent_by_key(engine: AsyncEngine, key_id: str) -> float:
+    async with engine.connect() as conn:
+        result = await conn.execute(
+            select(func.coalesce(func.sum(RequestRow.cost_usd), 0.0)).where(RequestRow.api_key_id == key_id))
+        return float(result.scalar_one())
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(app: Starlette):
+    config: GatewayConfig = app.state.config
+    config.data_dir.mkdir(parents=True, exist_ok=True)
+    db_engine = db.create_engine(config.database_url)
+    writer = LedgerWriter(config.database_url, config.data_dir / "ledger-spool.jsonl")
+    await writer.start()
+    policy_store = PolicyStore(config.policy_path)
+    await policy_store.start()
+    embedded = EmbeddedEngines(config.data_dir / "logs")
+    pool = BackendPool(embedded)
+    gw = Gateway(config=config, db_engine=db_engine, writer=writer, policy_store=policy_store, pool=pool,
+                 embedded=embedded, auth=Authenticator(db_engine, config.master_key))
+    gw.budgets = BudgetBook(lambda key_id: _spent_by_key(db_engine, key_id))
+    await _apply_policy(gw, policy_store.current)
+
+    async def on_change(policy: Policy) -> None:
+        await _apply_policy(gw, policy)
+
+    policy_store.on_change(on_change)
+    if embedded.processes():
+        ready = await embedded.wait_ready(config.wait_for_engines_s)
+        for name, ok in ready.items():
+            if not ok:
+                log.error("embedded engine %s is not healthy yet; its routes use fallbacks until it is", name)
+    app.state.gw = gw
+    try:
+        yield
+    finally:
+        # uvicorn has stopped accepting and drained in-flight requests: flush everything they logged.
+        await policy_store.stop()
+        await pool.aclose()
+        await writer.close()
+        await db_engine.dispose()
+
+
+async def _apply_policy(gw: Gateway, policy: Policy) -> None:
+    await gw.pool.sync(policy)
+    metrics.POLICY_INFO.clear()
+    metrics.POLICY_INFO.labels(policy.version).set(1)
+    log.info("policy %s live: %d routes, %d backends", policy.version, len(policy.routes), len(policy.backends))
+
+
+async def chat_completions(request: Request) -> Response:
+    return await proxy.handle(request.app.state.gw, request, "chat")
+
+
+async def completions(request: Request) -> Response:
+    return await proxy.handle(request.app.state.gw, request, "completions")
+
+
+async def list_models(request: Request) -> Response:
+    gw: Gateway = request.app.state.gw
+    try:
+        await gw.auth.authenticate(request.headers.get("authorization"))
+    except errors.APIError as exc:
+        return exc.response()
+    created = int(gw.started_at)
+    data = [{"id": name, "object": "model", "created": created, "owned_by": "switchyard"}
+            for name in gw.policy_store.current.routes]
+    return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
+
+
+async def health(request: Request) -> Response:
+    gw: Gateway = request.app.state.gw
+    return JSONResponse({"status": "ok", "policy_version": gw.policy_store.current.version,
+                         "ledger_queue": gw.writer.queue_depth, "database": gw.writer.db_available})
+
+
+async def prometheus(request: Request) -> Response:
+    gw: Gateway = request.app.state.gw
+    for name, state in gw.breakers.states().items():
+        metrics.BREAKER_STATE.labels(name).set(state)
+    return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+
+def create_app(config: GatewayConfig) -> Starlette:
+    app = Starlette(
+        routes=[
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/models", list_models, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/metrics", prometheus, methods=["GET"]),
+        ],
+        lifespan=_lifespan,
+        exception_handlers={404: _not_found, 405: _method_not_allowed},
+    )
+    app.state.config = config
+    return app
+
+
+async def _not_found(request: Request, exc: Exception) -> Response:
+    return errors.APIError(404, f"Unknown endpoint {request.method} {request.url.path}.",
+                           type="invalid_request_error", code="unknown_url").response()
+
+
+async def _method_not_allowed(request: Request, exc: Exception) -> Response:
+    return errors.APIError(405, f"Method {request.method} is not allowed on {request.url.path}.",
+                           type="invalid_request_error", code="method_not_allowed").response()

@@ -1,0 +1,129 @@
+"""Fixtures that run the real gateway on 127.0.0.1 (uvicorn in a thread, or a `switchyard serve` subprocess)."""
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+
+from gateway.app import GatewayConfig, create_app
+
+MASTER_KEY = "sk-test-master"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class RunningGateway:
+    base_url: str  # …/v1
+    root: str
+    config: GatewayConfig
+    server: uvicorn.Server
+    app: object
+    loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def gw(self):
+        return self.app.state.gw
+
+    def call(self, coro_fn, *args):
+        """Run a coroutine on the gateway's own event loop (e.g. writer.flush) and wait for it."""
+        future = asyncio.run_coroutine_threadsafe(coro_fn(*args), self.loop)
+        return future.result(timeout=30)
+
+
+@contextmanager
+def run_gateway(policy_text: str, tmp_path: Path, database_url: str | None = None,
+                master_key: str = MASTER_KEY) -> Iterator[RunningGateway]:
+    policy_path = tmp_path / "policy.yaml"
+    policy_path.write_text(textwrap.dedent(policy_text))
+    data_dir = tmp_path / "data"
+    url = database_url or f"sqlite:///{data_dir / 'ledger.db'}"
+    from gateway import db
+
+    db.upgrade(url)
+    config = GatewayConfig(policy_path=policy_path, database_url=url, data_dir=data_dir, master_key=master_key,
+                           wait_for_engines_s=60)
+    app = create_app(config)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           access_log=False, timeout_graceful_shutdown=10))
+    running = RunningGateway(base_url=f"http://127.0.0.1:{port}/v1", root=f"http://127.0.0.1:{port}",
+                             config=config, server=server, app=app)
+
+    def target() -> None:
+        loop = asyncio.new_event_loop()
+        running.loop = loop
+        loop.run_until_complete(server.serve())
+        loop.close()
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    deadline = time.time() + 60
+    while not server.started:
+        if not thread.is_alive() or time.time() > deadline:
+            raise RuntimeError("gateway did not start")
+        time.sleep(0.02)
+    try:
+        yield running
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.fixture
+def standin():
+    from gateway.standin import run_standin
+
+    with run_standin(engine_extension=True) as base_url:
+        yield base_url
+
+
+def ledger_rows(url: str, where: str = "1=1", params: dict | None = None) -> list[dict]:
+    """Read cost_ledger rows with a plain synchronous connection (what an analyst would do)."""
+    import sqlalchemy as sa
+
+    from gateway import db
+
+    engine = sa.create_engine(db.sync_url(url))
+    try:
+        with engine.connect() as conn:
+            result = conn.execute(sa.text(f"SELECT * FROM cost_ledger WHERE {where} ORDER BY created_at"),
+                                  params or {})
+            return [dict(row._mapping) for row in result]
+    finally:
+        engine.dispose()
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "gateway.cli", *args], capture_output=True, text=True,
+                          env=full_env, timeout=timeout, check=False)
+
+
+def wait_http(url: str, timeout: float = 60) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(url)

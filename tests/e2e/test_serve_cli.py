@@ -1,0 +1,112 @@
+"""The `switchyard` command as a new user meets it: real subprocesses on 127.0.0.1."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+import sqlalchemy as sa
+
+from tests.e2e.conftest import free_port, run_cli, wait_http
+
+POLICY = """\
+backends:
+  api:
+    kind: litellm
+    model: openai/gpt-4o-mini
+    api_base: {standin}
+    api_key_env: STANDIN_API_KEY
+routes:
+  gpt-4o-mini:
+    strategy: fixed
+    backend: api
+"""
+
+
+@pytest.mark.parametrize("command", [[], ["serve"], ["keys", "create"], ["policy", "check"], ["db", "upgrade"],
+                                     ["engine", "serve"], ["engine", "train-demo"], ["router"]])
+def test_every_command_has_help(command):
+    result = run_cli(*command, "--help")
+    assert result.returncode == 0, result.stderr
+    assert "usage: switchyard" in result.stdout
+
+
+def test_keys_create_prints_the_key_last_and_stores_only_its_hash(tmp_path):
+    url = f"sqlite:///{tmp_path / 'keys.db'}"
+    result = run_cli("keys", "create", "--team", "search", "--budget-usd", "12.5", "--rpm", "60",
+                     "--database-url", url)
+    assert result.returncode == 0, result.stderr
+    key = result.stdout.strip().splitlines()[-1]
+    assert key.startswith("sk-sy-") and len(key) > 30
+    engine = sa.create_engine(url)
+    with engine.connect() as conn:
+        rows = [dict(r._mapping) for r in conn.execute(sa.text("SELECT * FROM api_keys"))]
+    engine.dispose()
+    assert len(rows) == 1 and rows[0]["team"] == "search" and rows[0]["budget_usd"] == 12.5
+    assert key not in str(rows)  # the plaintext is nowhere in the table
+
+
+def test_keys_create_rejects_bad_input_without_writing(tmp_path):
+    url = f"sqlite:///{tmp_path / 'keys.db'}"
+    result = run_cli("keys", "create", "--team", "x", "--budget-usd", "-3", "--database-url", url)
+    assert result.returncode != 0 and "--budget-usd" in result.stdout + result.stderr
+    engine = sa.create_engine(url)
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT COUNT(*) FROM api_keys")).scalar_one() == 0
+    engine.dispose()
+
+
+def test_policy_check_reports_file_field_and_fix(tmp_path):
+    good = run_cli("policy", "check", "policies/default.yaml")
+    assert good.returncode == 0, good.stdout + good.stderr
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("backends:\n  a:\n    kind: litellm\n    model: x\nroutes:\n  r:\n    backend: b\n")
+    result = run_cli("policy", "check", str(bad))
+    assert result.returncode == 1
+    out = result.stdout + result.stderr
+    assert "bad.yaml" in out and "routes.r" in out and "'b'" in out
+
+
+def test_first_start_prints_a_key_once_and_the_snippet_works(standin, tmp_path):
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(POLICY.format(standin=standin))
+    port = free_port()
+    env = {**os.environ, "SWITCHYARD_DATA_DIR": str(tmp_path / "data"), "STANDIN_API_KEY": "sk-standin"}
+    env.pop("SWITCHYARD_MASTER_KEY", None)
+    env.pop("SWITCHYARD_DATABASE_URL", None)
+
+    def start() -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--policy", str(policy),
+                                 "--port", str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, cwd=tmp_path)
+
+    def stop(process: subprocess.Popen) -> str:
+        process.send_signal(signal.SIGINT)
+        out, _ = process.communicate(timeout=60)
+        return out
+
+    process = start()
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", timeout=120)
+    finally:
+        first_output = stop(process)
+    match = re.search(r"(sk-sy-[A-Za-z0-9_\-]+)", first_output)
+    assert match, first_output
+    snippet = first_output[first_output.index("from openai import OpenAI"):]
+    snippet = snippet[:snippet.index("print(reply.choices[0].message.content)") + len("print(reply.choices[0].message.content)")]
+    assert (tmp_path / "data" / "switchyard.db").exists()
+
+    process = start()
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", timeout=120)
+        ran = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=60,
+                             check=False)
+        assert ran.returncode == 0, ran.stderr
+        assert "tok0" in ran.stdout
+    finally:
+        second_output = stop(process)
+    assert match.group(1) not in second_output  # shown once only
+    assert "Using the admin key" in second_output
