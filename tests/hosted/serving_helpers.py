@@ -136,3 +136,89 @@ def write_tokenizer_dir(directory: Path, tok: Tokenizer, *, chat_template: str |
 def chat_templates() -> dict[str, str]:
     """Real models' chat templates (copied from their tokenizer_config.json files), keyed by model."""
     return json.loads((Path(__file__).parent / "chat_templates.json").read_text(encoding="utf-8"))
+
+
+# ---------------------------------------------------------------------------------------------- servers
+def build_tiny_chat_model(directory: Path, *, template: str = "llama3", seed: int = 0,
+                          max_position_embeddings: int = 512) -> Path:
+    """A random-weight Llama (saved with transformers' save_pretrained) with a byte-level BPE tokenizer and a
+    Llama-3 chat template; EOS is <|eot_id|>."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = byte_level_bpe()
+    torch.manual_seed(seed)
+    config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=128, vocab_size=tok.get_vocab_size(),
+                         max_position_embeddings=max_position_embeddings,
+                         bos_token_id=tok.token_to_id("<|begin_of_text|>"), eos_token_id=tok.token_to_id("<|eot_id|>"))
+    LlamaForCausalLM(config).eval().save_pretrained(str(directory))
+    write_tokenizer_dir(directory, tok, chat_template=chat_templates()[template])
+    return directory
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EngineProcess:
+    """`switchyard engine serve` as a real subprocess on 127.0.0.1; waits for its ready line."""
+
+    def __init__(self, model_dir: Path, *extra_args: str, startup_timeout: float = 120.0) -> None:
+        import subprocess
+        import sys
+        import threading
+
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "gateway.cli", "engine", "serve", "--model", str(model_dir),
+               "--port", str(self.port), "--threads", "1", "--log-level", "warning", *extra_args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     cwd=str(Path(__file__).resolve().parents[2]))
+        self.lines: list[str] = []
+        self._ready = threading.Event()
+
+        def pump() -> None:
+            assert self.proc.stdout is not None
+            for line in self.proc.stdout:
+                self.lines.append(line)
+                if line.startswith("switchyard engine ready"):
+                    self._ready.set()
+            self._ready.set()
+
+        threading.Thread(target=pump, daemon=True).start()
+        if not self._ready.wait(startup_timeout) or self.proc.poll() is not None:
+            self.stop()
+            raise RuntimeError("engine server did not start:\n" + self.log)
+
+    @property
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def stop(self, timeout: float = 30.0) -> int:
+        import signal
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except Exception:  # noqa: BLE001 - last resort, this process is ours
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def metrics(self) -> dict[str, float]:
+        """Unlabelled and labelled samples of /metrics, keyed as written (e.g. 'x_total{status="success"}')."""
+        import httpx
+
+        text = httpx.get(self.base_url + "/metrics", timeout=10).text
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                key, _, value = line.rpartition(" ")
+                out[key] = float(value)
+        return out

@@ -1,0 +1,81 @@
+"""Prometheus metrics of the engine server, in a registry of its own (one per app, so tests can run many).
+
+Latency histograms are observed per request by the server; engine gauges (running/waiting requests,
+KV blocks, prefix-cache hit rate, busy fraction) are read from the AsyncEngine when /metrics is scraped.
+"""
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from hosted.async_engine import AsyncEngine
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+
+# Request outcomes counted in switchyard_engine_requests_total{status=...}.
+STATUSES = ("success", "invalid", "not_found", "overloaded", "aborted", "error")
+
+
+class EngineMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        p = "switchyard_engine_"
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "Time from request arrival to its first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram(p + "time_per_output_token_seconds",
+                              "Mean time between output tokens of a request (after the first)",
+                              buckets=_TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram(p + "request_latency_seconds", "Time from request arrival to its last token",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.requests = Counter(p + "requests", "Requests by outcome", ["status"], registry=r)
+        for status in STATUSES:
+            self.requests.labels(status=status)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of served requests", registry=r)
+        self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
+        self.running = Gauge(p + "requests_running", "Sequences in the running batch", registry=r)
+        self.waiting = Gauge(p + "requests_waiting", "Requests waiting to be scheduled", registry=r)
+        self.kv_used = Gauge(p + "kv_blocks_used", "KV cache blocks held by live sequences", registry=r)
+        self.kv_free = Gauge(p + "kv_blocks_free", "KV cache blocks free (including unreferenced prefix-cache blocks)", registry=r)
+        self.kv_total = Gauge(p + "kv_blocks_total", "KV cache blocks in the pool", registry=r)
+        self.prefix_hit_rate = Gauge(p + "prefix_cache_hit_rate",
+                                     "Prompt tokens served from the prefix cache / prompt tokens looked up",
+                                     registry=r)
+        self.prefix_hit_tokens = Gauge(p + "prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache "
+                                       "since start", registry=r)
+        self.prefix_query_tokens = Gauge(p + "prefix_cache_query_tokens", "Prompt tokens looked up in the prefix "
+                                         "cache since start", registry=r)
+        self.busy_fraction = Gauge(p + "busy_fraction",
+                                   "Seconds spent in forward passes / wall seconds, over the busy window",
+                                   registry=r)
+        self.preemptions = Gauge(p + "preemptions", "Sequences preempted (recomputed) since start", registry=r)
+        self.ready = Gauge(p + "ready", "1 once the model is loaded", registry=r)
+
+    def observe_request(self, status: str) -> None:
+        self.requests.labels(status=status).inc()
+
+    def render(self, engine: AsyncEngine | None) -> bytes:
+        """Refresh the engine gauges and return the exposition text."""
+        self.ready.set(1 if engine is not None and engine.alive else 0)
+        if engine is not None:
+            s = engine.stats()
+            self.running.set(s.num_running)
+            self.waiting.set(engine.num_waiting)
+            self.kv_total.set(s.kv_blocks_total)
+            self.kv_free.set(s.kv_blocks_free)
+            self.kv_used.set(s.kv_blocks_total - s.kv_blocks_free)
+            self.prefix_hit_rate.set(s.prefix_hit_tokens / s.prefix_queries_tokens if s.prefix_queries_tokens else 0.0)
+            self.prefix_hit_tokens.set(s.prefix_hit_tokens)
+            self.prefix_query_tokens.set(s.prefix_queries_tokens)
+            self.busy_fraction.set(engine.utilisation())
+            self.preemptions.set(s.num_preemptions)
+        return generate_latest(self.registry)

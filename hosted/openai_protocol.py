@@ -1,0 +1,164 @@
+"""OpenAI request bodies (validated with pydantic) and the OpenAI error body, for the engine's own server.
+
+Unknown fields are accepted and ignored (clients send `user`, `metadata`, ...); known fields with invalid
+values are refused with a 400 that names the field. Extensions beyond OpenAI, as vLLM spells them:
+`top_k`, `stop_token_ids`, `ignore_eos` (and `add_generation_prompt`, `chat_template_kwargs` for chat).
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from hosted.sampling import MAX_TOP_LOGPROBS
+
+MAX_N = 64  # choices per request; each one is a sequence in the batch
+MAX_STOP_STRINGS = 16
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's body: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def validation_error(exc: ValidationError) -> APIError:
+    """The first pydantic error, as a 400 naming the field."""
+    err = exc.errors()[0]
+    loc = [str(p) for p in err.get("loc", ()) if not (isinstance(p, str) and p.startswith(("function-", "list[")))]
+    param = ".".join(loc) or None
+    msg = err.get("msg", "invalid value")
+    text = f"invalid value for {param!r}: {msg}" if param else msg
+    code = "missing_required_parameter" if err.get("type") == "missing" else "invalid_value"
+    return APIError(400, text, param=param, code=code)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+StopField = Annotated[str | list[str] | None, Field(default=None)]
+
+
+class _SamplingRequest(BaseModel):
+    """Fields shared by chat and completions requests."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str = Field(min_length=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)  # extension; 0 or -1 = off
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    max_tokens: int | None = Field(default=None, ge=1)
+    stop: StopField
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None  # extension
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    ignore_eos: bool = False  # extension
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, value: str | list[str] | None) -> list[str] | None:
+        if value is None:
+            return None
+        stops = [value] if isinstance(value, str) else list(value)
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
+        if any(s == "" for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return stops
+
+    @property
+    def stop_list(self) -> list[str]:
+        return list(self.stop or [])  # type: ignore[arg-type]
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_calls, tool_call_id, reasoning_content ...
+    role: str = Field(min_length=1)
+    content: str | list[TextPart] | None = None
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as the chat template sees it: text parts joined, extra fields kept."""
+        data = self.model_dump(exclude_none=False)
+        if isinstance(self.content, list):
+            data["content"] = "\n".join(part.text for part in self.content)
+        return data
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    add_generation_prompt: bool = True  # extension
+    chat_template_kwargs: dict[str, Any] | None = None  # extension
+
+    @property
+    def max_output_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+PromptField = str | list[str] | list[Annotated[int, Field(ge=0)]] | list[list[Annotated[int, Field(ge=0)]]]
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: PromptField
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1)
+
+    @property
+    def max_output_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt field as a list of prompts, each text or token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            return []
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+def parse_request(model: type[_SamplingRequest], payload: Any) -> Any:
+    if not isinstance(payload, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(payload)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
