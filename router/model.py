@@ -1,0 +1,235 @@
+"""The difficulty model as the gateway uses it: load a file, score a request, fast.
+
+Training (router/train.py) fits a scikit-learn logistic regression on the features of
+router/features.py; the file keeps only what scoring needs — the feature settings, the idf
+vector, the coefficients with the dense-feature standardisation folded in, and the intercept —
+as a NumPy .npz archive plus JSON metadata. Loading never unpickles (allow_pickle=False), so
+a model file cannot run code. Scoring redoes the hashing and the sparse dot product in numpy:
+no sklearn call per request.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+import os
+import threading
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+from router.conversation import parse
+from router.features import N_DENSE, FeatureConfig, dense_features, hashed_indices
+
+MODEL_FORMAT = "switchyard-difficulty-model"
+MODEL_FORMAT_VERSION = 1
+
+
+class ModelFileError(ValueError):
+    """A model file that is missing, corrupt, or not a Switchyard difficulty model."""
+
+
+class DifficultyModel:
+    """Scores a request with P(strong backend needed) in [0, 1]. Route strong iff score >= threshold."""
+
+    __slots__ = (
+        "_local",
+        "coef",
+        "coef_idf",
+        "config",
+        "default_threshold",
+        "dense_coef",
+        "idf",
+        "intercept",
+        "meta",
+        "version",
+    )
+
+    def __init__(self, config: FeatureConfig, coef: np.ndarray, idf: np.ndarray | None, dense_coef: np.ndarray,
+                 intercept: float, default_threshold: float | None = None, meta: dict | None = None,
+                 version: str = "unsaved") -> None:
+        n = 1 << config.n_bits
+        if coef.shape != (n,):
+            raise ModelFileError(f"coefficient vector has shape {coef.shape}, expected ({n},)")
+        if idf is not None and idf.shape != (n,):
+            raise ModelFileError(f"idf vector has shape {idf.shape}, expected ({n},)")
+        expected_dense = N_DENSE if config.dense else 0
+        if dense_coef.shape != (expected_dense,):
+            raise ModelFileError(f"dense coefficients have shape {dense_coef.shape}, expected ({expected_dense},)")
+        self.config = config
+        self.coef = np.ascontiguousarray(coef, dtype=np.float64)
+        self.idf = None if idf is None else np.ascontiguousarray(idf, dtype=np.float64)
+        self.coef_idf = self.coef if self.idf is None else self.coef * self.idf
+        self.dense_coef = np.ascontiguousarray(dense_coef, dtype=np.float64)
+        self.intercept = float(intercept)
+        self.default_threshold = None if default_threshold is None else float(default_threshold)
+        self.meta = dict(meta or {})
+        self.version = version
+        self._local = threading.local()  # per-thread scratch for counting n-grams without sorting
+
+    # ---- scoring -------------------------------------------------------------------------
+
+    def _scratch(self) -> np.ndarray:
+        s = getattr(self._local, "scratch", None)
+        if s is None:
+            s = self._local.scratch = np.zeros(self.coef.size, dtype=np.float64)
+        return s
+
+    def decision(self, messages: list[dict] | str) -> float:
+        """The logit behind score(): w·x + b."""
+        conv = parse(messages)
+        z = self.intercept
+        scratch = self._scratch()
+        for idx in hashed_indices(conv, self.config):
+            if idx.size == 0:
+                continue
+            # Per occurrence: c = count of its bucket. Summing f(c)/c over occurrences equals
+            # summing f(c) over distinct buckets, which is what training computed with np.unique.
+            np.add.at(scratch, idx, 1.0)
+            c = scratch[idx]
+            scratch[idx] = 0.0
+            tf = 1.0 + np.log(c)
+            if self.idf is None:
+                norm2 = float(np.sum(tf * tf / c))
+            else:
+                t = tf * self.idf[idx]
+                norm2 = float(np.sum(t * t / c))
+            if norm2 > 0.0:
+                z += float(np.sum(tf / c * self.coef_idf[idx])) / math.sqrt(norm2)
+        if self.config.dense:
+            z += float(self.dense_coef @ dense_features(conv))
+        return z
+
+    def score(self, messages: list[dict] | str) -> float:
+        """P(strong backend needed), 0..1."""
+        z = self.decision(messages)
+        if z >= 0:
+            return 1.0 / (1.0 + math.exp(-z))
+        e = math.exp(z)
+        return e / (1.0 + e)
+
+    def score_many(self, requests: list) -> np.ndarray:
+        return np.fromiter((self.score(r) for r in requests), dtype=np.float64, count=len(requests))
+
+    # ---- files ---------------------------------------------------------------------------
+
+    def to_bytes(self) -> bytes:
+        meta = dict(self.meta)
+        meta.update(format=MODEL_FORMAT, format_version=MODEL_FORMAT_VERSION, features=self.config.to_dict(),
+                    intercept=self.intercept, default_threshold=self.default_threshold)
+        arrays = {"coef": self.coef.astype(np.float32), "dense_coef": self.dense_coef,
+                  "meta": np.frombuffer(json.dumps(meta, sort_keys=True).encode(), dtype=np.uint8)}
+        if self.idf is not None:
+            arrays["idf"] = self.idf.astype(np.float32)
+        buf = io.BytesIO()
+        np.savez_compressed(buf, **arrays)
+        return buf.getvalue()
+
+    def save(self, path: str | Path) -> str:
+        """Write atomically (temp file + rename); returns the new version."""
+        path = Path(path)
+        data = self.to_bytes()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        self.version = _content_version(data)
+        return self.version
+
+    @classmethod
+    def from_bytes(cls, data: bytes, source: str = "<bytes>") -> DifficultyModel:
+        try:
+            with np.load(io.BytesIO(data), allow_pickle=False) as z:
+                arrays = {k: z[k] for k in z.files}
+        except (zipfile.BadZipFile, ValueError, OSError, EOFError, KeyError) as e:
+            raise ModelFileError(f"{source}: not a Switchyard difficulty model file ({e}); "
+                                 f"train one with `switchyard router train`") from e
+        try:
+            meta = json.loads(arrays["meta"].tobytes().decode())
+        except (KeyError, ValueError, UnicodeDecodeError) as e:
+            raise ModelFileError(f"{source}: model file has no readable metadata; retrain it") from e
+        if meta.get("format") != MODEL_FORMAT:
+            raise ModelFileError(f"{source}: not a Switchyard difficulty model (format {meta.get('format')!r})")
+        if meta.get("format_version") != MODEL_FORMAT_VERSION:
+            raise ModelFileError(f"{source}: model format version {meta.get('format_version')} is not supported "
+                                 f"(this build reads {MODEL_FORMAT_VERSION}); retrain with this version")
+        try:
+            config = FeatureConfig.from_dict(meta["features"])
+            model = cls(config, arrays["coef"].astype(np.float64),
+                        arrays["idf"].astype(np.float64) if "idf" in arrays else None,
+                        arrays["dense_coef"], meta["intercept"], meta.get("default_threshold"), meta,
+                        version=_content_version(data))
+        except (KeyError, TypeError) as e:
+            raise ModelFileError(f"{source}: model file is incomplete ({e}); retrain it") from e
+        if not (np.isfinite(model.coef).all() and np.isfinite(model.dense_coef).all()
+                and math.isfinite(model.intercept)):
+            raise ModelFileError(f"{source}: model coefficients contain NaN or infinity; retrain it")
+        return model
+
+    @classmethod
+    def load(cls, path: str | Path) -> DifficultyModel:
+        path = Path(path)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError as e:
+            raise ModelFileError(f"{path}: model file not found; train one with `switchyard router train`") from e
+        except IsADirectoryError as e:
+            raise ModelFileError(f"{path}: is a directory, expected a model file") from e
+        return cls.from_bytes(data, source=str(path))
+
+
+def _content_version(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+# ---- the default model ---------------------------------------------------------------------
+
+SEED_DIR = Path(__file__).resolve().parent / "data"
+_default_lock = threading.Lock()
+
+
+def seed_files() -> list[Path]:
+    return sorted(SEED_DIR.glob("*.jsonl"))
+
+
+def _seed_fingerprint() -> str:
+    """Changes whenever the seed set or the training code changes, so a stale cache is retrained."""
+    h = hashlib.sha256()
+    for p in seed_files():
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    here = Path(__file__).resolve().parent
+    for name in ("features.py", "train.py", "conversation.py", "model.py"):
+        h.update((here / name).read_bytes())
+    return h.hexdigest()[:12]
+
+
+def default_model_path() -> Path:
+    """Where the default model lives: $SWITCHYARD_ROUTER_MODEL if set, else a cache under the data
+    directory keyed by the seed set's fingerprint (trained on first use by load_default_model)."""
+    env = os.environ.get("SWITCHYARD_ROUTER_MODEL")
+    if env:
+        return Path(env)
+    base = Path(os.environ.get("SWITCHYARD_DATA_DIR", "data"))
+    return base / "router" / f"default-{_seed_fingerprint()}.npz"
+
+
+def load_default_model() -> DifficultyModel:
+    """Load the default model, training it from router/data/ first if the cache is missing."""
+    path = default_model_path()
+    with _default_lock:
+        if not path.exists():
+            if os.environ.get("SWITCHYARD_ROUTER_MODEL"):
+                raise ModelFileError(f"{path}: SWITCHYARD_ROUTER_MODEL points to a missing file")
+            from router.train import train_default_model
+
+            train_default_model(path)
+        return DifficultyModel.load(path)

@@ -1,0 +1,168 @@
+"""Fit the difficulty model: features (router/features.py) → scikit-learn logistic regression.
+
+Label rules (what "strong needed" means for a training row; see docs/router.md for the
+measurements behind the default):
+  strong_only      strong right and weak wrong → 1, everything else → 0
+  weak_wrong       weak wrong → 1 (whether or not the strong model got it right)
+  skip_both_wrong  like strong_only, but rows both models got wrong are left out of training:
+                   they look hard yet routing them gains nothing, so they blur the signal
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import scipy.sparse as sp
+
+from router.conversation import parse
+from router.features import FeatureConfig, dense_features, hashed_indices, weighted_block
+from router.model import DifficultyModel
+
+LABEL_RULES = ("strong_only", "weak_wrong", "skip_both_wrong")
+
+
+@dataclass(frozen=True, slots=True)
+class TrainConfig:
+    features: FeatureConfig = field(default_factory=FeatureConfig)
+    label: str = "strong_only"
+    C: float = 1.0                  # inverse L2 strength of the logistic regression
+    balanced: bool = False          # class_weight="balanced"
+
+
+def labels(weak: np.ndarray, strong: np.ndarray, rule: str) -> tuple[np.ndarray, np.ndarray]:
+    """(y, keep): the 0/1 target and which rows train."""
+    weak = np.asarray(weak, dtype=bool)
+    strong = np.asarray(strong, dtype=bool)
+    if rule == "strong_only":
+        return strong & ~weak, np.ones(weak.size, dtype=bool)
+    if rule == "weak_wrong":
+        return ~weak, np.ones(weak.size, dtype=bool)
+    if rule == "skip_both_wrong":
+        return strong & ~weak, weak | strong
+    raise ValueError(f"unknown label rule {rule!r}; choose one of {', '.join(LABEL_RULES)}")
+
+
+@dataclass(slots=True)
+class Featurized:
+    blocks: list[list[np.ndarray]]   # per row: bucket occurrences per block
+    dense: np.ndarray                # (n, N_DENSE) or (n, 0)
+
+
+def featurize(requests: list, cfg: FeatureConfig, progress: bool = False) -> Featurized:
+    it = requests
+    if progress:
+        from tqdm import tqdm
+
+        it = tqdm(requests, desc="features", unit="row", leave=False)
+    blocks = []
+    dense = []
+    for r in it:
+        conv = parse(r)
+        blocks.append(hashed_indices(conv, cfg))
+        if cfg.dense:
+            dense.append(dense_features(conv))
+    d = np.vstack(dense) if dense else np.zeros((len(requests), 0))
+    return Featurized(blocks, d)
+
+
+def inverse_document_frequency(blocks: list[list[np.ndarray]], n_bits: int) -> np.ndarray:
+    """Smoothed idf per bucket, as sklearn's TfidfTransformer: ln((1 + n) / (1 + df)) + 1."""
+    n = len(blocks)
+    uniq = [np.unique(np.concatenate(b)) if b else np.zeros(0, np.int64) for b in blocks]
+    df = np.bincount(np.concatenate(uniq) if uniq else np.zeros(0, np.int64), minlength=1 << n_bits)
+    return np.log((1.0 + n) / (1.0 + df)) + 1.0
+
+
+def hashed_matrix(blocks: list[list[np.ndarray]], n_bits: int, idf: np.ndarray | None) -> sp.csr_matrix:
+    indptr = [0]
+    indices: list[np.ndarray] = []
+    data: list[np.ndarray] = []
+    for row in blocks:
+        nnz = 0
+        for blk in row:
+            u, v = weighted_block(blk, idf)
+            indices.append(u)
+            data.append(v)
+            nnz += u.size
+        indptr.append(indptr[-1] + nnz)
+    m = sp.csr_matrix((np.concatenate(data) if data else np.zeros(0),
+                       np.concatenate(indices) if indices else np.zeros(0, np.int64), np.array(indptr)),
+                      shape=(len(blocks), 1 << n_bits))
+    m.sum_duplicates()
+    return m
+
+
+@dataclass(slots=True)
+class DenseScaler:
+    mean: np.ndarray
+    std: np.ndarray
+
+    @classmethod
+    def fit(cls, d: np.ndarray) -> DenseScaler:
+        if d.shape[1] == 0:
+            return cls(np.zeros(0), np.ones(0))
+        std = d.std(axis=0)
+        return cls(d.mean(axis=0), np.where(std > 1e-9, std, 1.0))
+
+    def transform(self, d: np.ndarray) -> np.ndarray:
+        return (d - self.mean) / self.std
+
+
+def design_matrix(f: Featurized, cfg: FeatureConfig, idf: np.ndarray | None, scaler: DenseScaler) -> sp.csr_matrix:
+    h = hashed_matrix(f.blocks, cfg.n_bits, idf)
+    if f.dense.shape[1] == 0:
+        return h
+    return sp.hstack([h, sp.csr_matrix(scaler.transform(f.dense))], format="csr")
+
+
+def fit_featurized(f: Featurized, weak: np.ndarray, strong: np.ndarray, tc: TrainConfig,
+                   meta: dict | None = None) -> DifficultyModel:
+    from sklearn.linear_model import LogisticRegression
+
+    cfg = tc.features
+    y, keep = labels(weak, strong, tc.label)
+    rows = np.flatnonzero(keep)
+    if rows.size == 0 or y[rows].all() or not y[rows].any():
+        raise ValueError(f"label rule {tc.label!r} gives a single class on this data "
+                         f"({int(y[rows].sum())} of {rows.size} rows need the strong model); "
+                         f"the model needs examples of both")
+    sub = Featurized([f.blocks[i] for i in rows], f.dense[rows])
+    idf = inverse_document_frequency(sub.blocks, cfg.n_bits) if cfg.use_idf else None
+    scaler = DenseScaler.fit(sub.dense)
+    x = design_matrix(sub, cfg, idf, scaler)
+    clf = LogisticRegression(C=tc.C, solver="lbfgs", class_weight="balanced" if tc.balanced else None,
+                             max_iter=1000)
+    clf.fit(x, y[rows])
+    w = clf.coef_.ravel()
+    n_hash = 1 << cfg.n_bits
+    w_dense = w[n_hash:] / scaler.std if cfg.dense else np.zeros(0)
+    intercept = float(clf.intercept_[0]) - (float(w_dense @ scaler.mean) if cfg.dense else 0.0)
+    info = {"label_rule": tc.label, "C": tc.C, "balanced": tc.balanced, "train_rows": int(y.size),
+            "train_rows_used": int(rows.size), "train_positive_share": float(y[rows].mean())}
+    info.update(meta or {})
+    return DifficultyModel(cfg, w[:n_hash].copy(), idf, w_dense, intercept, meta=info)
+
+
+def fit(requests: list, weak: np.ndarray, strong: np.ndarray, tc: TrainConfig | None = None,
+        progress: bool = False, meta: dict | None = None) -> DifficultyModel:
+    tc = tc or TrainConfig()
+    return fit_featurized(featurize(requests, tc.features, progress), weak, strong, tc, meta)
+
+
+def train_default_model(path: str | Path) -> DifficultyModel:
+    """Train the default model from the project's seed set (router/data/*.jsonl) and save it."""
+    from router.dataset import LabelledSet, load_labelled
+    from router.model import seed_files
+
+    files = seed_files()
+    if not files:
+        raise FileNotFoundError("router/data/ has no *.jsonl seed files; the default model cannot be trained")
+    parts: list[LabelledSet] = [load_labelled(p) for p in files]
+    requests = [r for p in parts for r in p.requests]
+    weak = np.concatenate([p.weak for p in parts])
+    strong = np.concatenate([p.strong for p in parts])
+    model = fit(requests, weak, strong, meta={"trained_from": "router/data seed set"})
+    model.save(path)
+    return model
+
