@@ -161,7 +161,8 @@ def parse_policy(text: str, source: str) -> Policy:
                               f"remove the `{reserved}:` key"))
     if issues:
         raise PolicyError(issues)
-    doc = _with_names(doc)
+    # Top-level `x-…` keys hold shared YAML anchors (as in docker compose); they are not settings.
+    doc = _with_names({k: v for k, v in doc.items() if not (isinstance(k, str) and k.startswith("x-"))})
     try:
         policy = Policy.model_validate({**doc, "version": version, "source": source})
     except ValidationError as e:
@@ -235,8 +236,12 @@ def _read_yaml(text: str, source: str) -> tuple[Any, dict[tuple, tuple[int, int]
         loader.dispose()
 
 
-def _index(node: yaml.Node, path: tuple, marks: dict, dupes: list[PolicyIssue], source: str) -> None:
+def _index(node: yaml.Node, path: tuple, marks: dict, dupes: list[PolicyIssue], source: str,
+           active: frozenset = frozenset()) -> None:
     marks.setdefault(path, (node.start_mark.line + 1, node.start_mark.column + 1))
+    if id(node) in active:  # a recursive alias (&a [*a]); pydantic will reject the value itself
+        return
+    active = active | {id(node)}
     if isinstance(node, yaml.MappingNode):
         seen: set = set()
         for key_node, value_node in node.value:
@@ -248,10 +253,10 @@ def _index(node: yaml.Node, path: tuple, marks: dict, dupes: list[PolicyIssue], 
                                          key_node.start_mark.line + 1, key_node.start_mark.column + 1))
             seen.add(key)
             marks[kpath] = (key_node.start_mark.line + 1, key_node.start_mark.column + 1)
-            _index(value_node, kpath, marks, dupes, source)
+            _index(value_node, kpath, marks, dupes, source, active)
     elif isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
-            _index(item, path + (i,), marks, dupes, source)
+            _index(item, path + (i,), marks, dupes, source, active)
 
 
 # ---------------------------------------------------------------- error reporting

@@ -43,6 +43,9 @@ class Cost:
 
 
 def _model_cost() -> dict:
+    import os
+
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # in case `gateway` was not imported first
     import litellm
 
     return litellm.model_cost

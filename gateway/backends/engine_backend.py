@@ -59,9 +59,9 @@ class EngineBackend(Backend):
             opts = payload.get("stream_options")
             body["stream_options"] = {**opts, "include_usage": True} if isinstance(opts, dict) else {
                 "include_usage": True}
-        elif "stream" in body:
-            body["stream"] = False
-            body.pop("stream_options", None)
+        else:
+            body.pop("stream", None)
+            body.pop("stream_options", None)  # only valid with stream: true
         return json.dumps(body, separators=_COMPACT).encode()
 
     async def complete(self, payload: dict, endpoint: Endpoint) -> Completion:

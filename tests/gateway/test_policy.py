@@ -205,3 +205,25 @@ def test_switchyard_policy_check_subprocess(tmp_path: Path) -> None:
                          check=False, capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert run.returncode == 1
     assert "routes.demo.fallbacks[0]" in run.stderr and "did you mean 'mini'?" in run.stderr
+
+
+def test_yaml_anchors_and_merge_keys_share_settings(tmp_path: Path) -> None:
+    text = """\
+x-resilience: &fast
+  timeout_s: 10
+  max_retries: 0
+backends:
+  a: {<<: *fast, kind: engine, api_base: "http://h:1/v1", model: m}
+  b: {<<: *fast, kind: engine, api_base: "http://h:2/v1", model: m, timeout_s: 20}
+routes:
+  r: {backend: a, fallbacks: [b]}
+"""
+    policy = load_policy(write(tmp_path, text))  # top-level x-… keys only hold anchors
+    assert policy.backends["a"].timeout_s == 10 and policy.backends["a"].max_retries == 0
+    assert policy.backends["b"].timeout_s == 20 and policy.backends["b"].max_retries == 0
+    assert "unknown field 'y-resilience'" in error_of(write(tmp_path, text.replace("x-res", "y-res"), "y.yaml"))
+
+
+def test_recursive_alias_is_an_error_not_a_hang(tmp_path: Path) -> None:
+    msg = error_of(write(tmp_path, "backends: &a {x: *a}\nroutes: {}\n"))
+    assert "backends" in msg
