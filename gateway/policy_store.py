@@ -12,7 +12,7 @@ import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from gateway.policy import Policy, PolicyError, load_policy
+from gateway.policy import Policy, PolicyError, load_policy, policy_warnings
 
 log = logging.getLogger("switchyard.policy")
 
@@ -41,6 +41,7 @@ class PolicyStore:
         self.current = load_policy(self.path)
         log.info("policy loaded from %s: version %s, %d routes, %d backends", self.path,
                  self.current.version, len(self.current.routes), len(self.current.backends))
+        self._warn(self.current)
         if self._task is None:
             self._task = asyncio.create_task(self._watch(), name="policy-watch")
         return self.current
@@ -76,6 +77,7 @@ class PolicyStore:
         self.last_error = None
         log.info("policy reloaded from %s: version %s -> %s", self.path,
                  old.version if old else "-", policy.version)
+        self._warn(policy)
         for cb in list(self._callbacks):
             try:
                 result = cb(policy)
@@ -84,6 +86,11 @@ class PolicyStore:
             except Exception:  # a failing listener must not stop the watcher or undo the swap
                 log.exception("policy change callback %r failed", cb)
         return True
+
+    @staticmethod
+    def _warn(policy: Policy) -> None:
+        for warning in policy_warnings(policy):
+            log.warning("%s", warning)
 
     def _file_stamp(self) -> tuple[int, int] | None:
         try:
