@@ -16,12 +16,22 @@ ErrorKind = Literal["timeout", "connect", "http", "protocol"]
 RETRYABLE_STATUSES = frozenset({408, 409, 429})
 
 
+# The upstream rejected *our* credentials or model name: retrying the same backend is useless, but the
+# request itself may be fine, so the next backend in the chain is tried.
+BACKEND_FAULT_STATUSES = frozenset({401, 403, 404})
+
+
 def is_retryable_status(status: int) -> bool:
     return status >= 500 or status in RETRYABLE_STATUSES
 
 
 class UpstreamError(Exception):
-    """A backend call that failed. `retryable` says whether another attempt (or backend) may succeed."""
+    """A backend call that failed.
+
+    `retryable`: another attempt on the same backend may succeed (429, 5xx, timeouts, connection errors).
+    `fallback`: another backend may succeed — true when retryable, and for 401/403/404 (a backend
+    misconfigured with a bad key or model name). False for 400/413/422: the request itself is at fault.
+    """
 
     def __init__(self, message: str, *, kind: ErrorKind, status: int | None = None, retryable: bool = True,
                  body: dict | None = None, retry_after: float | None = None, backend: str | None = None):
@@ -30,6 +40,7 @@ class UpstreamError(Exception):
         self.kind = kind
         self.status = status
         self.retryable = retryable
+        self.fallback = retryable or status in BACKEND_FAULT_STATUSES
         self.body = body  # the upstream's OpenAI error body, when it sent one
         self.retry_after = retry_after  # seconds, from the upstream's Retry-After header
         self.backend = backend

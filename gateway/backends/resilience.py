@@ -1,8 +1,9 @@
 """Retries with backoff, ordered fallbacks and per-backend circuit breakers.
 
 A backend is tried with retries on retryable failures (429, 5xx, timeouts, connection errors); when it
-gives up, the next backend in the route's chain is tried. A bad request (a non-retryable 4xx) is returned
-at once: the request is at fault, not the backend. A circuit breaker per backend stops sending traffic
+gives up, the next backend in the route's chain is tried. 401/403/404 mean the backend is misconfigured
+(key, model name): no retry there, but the next backend is tried. A bad request (400, 413, 422) is
+returned at once without fallback: the request is at fault, not the backend, and would fail everywhere. A circuit breaker per backend stops sending traffic
 after `failure_threshold` consecutive failures, then lets one probe through after `cooldown_s`.
 """
 from __future__ import annotations
@@ -154,11 +155,13 @@ async def complete_with_fallbacks(chain: list[Backend], payload: dict, endpoint:
             except UpstreamError as e:
                 e.backend = e.backend or backend.name
                 e.attempts = attempts
-                if not e.retryable:
+                if not e.fallback:
                     breaker.record_success()  # the backend answered; the request is what's wrong
                     raise
                 breaker.record_failure()
                 last = e
+                if not e.retryable:
+                    break  # bad key or model name at this backend: try the next one
                 delay = None if retry >= backend.spec.max_retries or not breaker.accepting else backoff_delay(
                     backend.spec, retry, e.retry_after)
                 if delay is None:
@@ -236,11 +239,13 @@ async def open_stream_with_fallbacks(chain: list[Backend], payload: dict, endpoi
                 await inner.aclose()  # type: ignore[attr-defined]
                 e.backend = e.backend or backend.name
                 e.attempts = attempts
-                if not e.retryable:
+                if not e.fallback:
                     breaker.record_success()
                     raise
                 breaker.record_failure()
                 last = e
+                if not e.retryable:
+                    break
                 delay = None if retry >= backend.spec.max_retries or not breaker.accepting else backoff_delay(
                     backend.spec, retry, e.retry_after)
                 if delay is None:

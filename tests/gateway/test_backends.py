@@ -119,16 +119,18 @@ async def test_stream_chat_and_text_with_usage(upstream: str, make_spec) -> None
 
 
 @pytest.mark.parametrize("make_spec", [engine_spec, litellm_spec], ids=["engine", "litellm"])
-@pytest.mark.parametrize("status, retryable", [(400, False), (401, False), (404, False), (422, False),
-                                               (429, True), (500, True), (503, True)])
-async def test_http_errors_are_typed(upstream: str, make_spec, status: int, retryable: bool) -> None:
+@pytest.mark.parametrize("status, retryable, fallback", [(400, False, False), (401, False, True),
+                                                         (404, False, True), (422, False, False),
+                                                         (429, True, True), (500, True, True), (503, True, True)])
+async def test_http_errors_are_typed(upstream: str, make_spec, status: int, retryable: bool, fallback: bool) -> None:
     backend = build_backend(make_spec(upstream))
     try:
         standin_control(upstream, fail_next=2, fail_status=status, retry_after=0.25)
         with pytest.raises(UpstreamError) as exc:
             await backend.complete(CHAT, "chat")
         e = exc.value
-        assert (e.kind, e.status, e.retryable, e.backend) == ("http", status, retryable, backend.name)
+        assert (e.kind, e.status, e.retryable, e.fallback, e.backend) == ("http", status, retryable, fallback,
+                                                                          backend.name)
         assert e.retry_after == 0.25
         if make_spec is engine_spec or status in (400, 422, 429, 500):  # litellm drops some bodies
             assert e.body["error"]["message"] == f"standin: injected {status}"

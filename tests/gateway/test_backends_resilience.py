@@ -107,7 +107,7 @@ async def test_fallback_when_backend_is_down(two, kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", ["engine", "litellm"])
-@pytest.mark.parametrize("status", [400, 401, 404, 422])
+@pytest.mark.parametrize("status", [400, 413, 422])
 async def test_no_retry_and_no_fallback_on_bad_request(two, kind: str, status: int) -> None:
     a, b = two
     standin_control(a, fail_next=1, fail_status=status)
@@ -122,6 +122,23 @@ async def test_no_retry_and_no_fallback_on_bad_request(two, kind: str, status: i
         assert exc.value.status == status
     assert standin_stats(a)["requests"] == 2 and standin_stats(b)["requests"] == 0
     assert reg.states() == {"a": 0}  # a bad request says nothing against the backend
+
+
+@pytest.mark.parametrize("kind", ["engine", "litellm"])
+@pytest.mark.parametrize("status", [401, 403, 404])
+async def test_misconfigured_backend_falls_back_without_retry(two, kind: str, status: int) -> None:
+    a, b = two
+    standin_control(a, fail_next=1, fail_status=status)
+    async with backends(spec("a", a, kind, max_retries=3), spec("b", b)) as chain:
+        reg = BreakerRegistry()
+        _, served_by, attempts = await complete_with_fallbacks(chain, CHAT, "chat", reg)
+        assert (served_by.name, attempts) == ("b", 2)
+        assert reg["a"].failures == 1  # a bad key counts against the backend
+        standin_control(a, fail_next=1, fail_status=status)
+        backend, stream, attempts = await open_stream_with_fallbacks(chain, CHAT, "chat", reg)
+        await stream.aclose()
+        assert (backend.name, attempts) == ("b", 2)
+    assert standin_stats(a)["requests"] == 2
 
 
 async def test_all_fail_raises_the_last_error(two) -> None:
