@@ -73,7 +73,9 @@ class AsyncEngine:
         self._stopping = False
         self.dead: BaseException | None = None
         self._streams: dict[str, asyncio.Queue] = {}
-        self._pending_adds = 0  # submitted to the thread, not yet inside the engine (loop thread only)
+        # Requests submitted whose first output has not arrived yet (loop thread only): exact at the moment
+        # of admission, unlike the engine's own count, which the thread refreshes once per step.
+        self._num_queued = 0
         self._add_futures: set[asyncio.Future] = set()
         self._stats: EngineStats = engine.stats()
         self._started_at = time.monotonic()
@@ -111,13 +113,17 @@ class AsyncEngine:
     # ------------------------------------------------------------------------------ requests
     @property
     def num_waiting(self) -> int:
-        return self._pending_adds + self._stats.num_waiting
+        # The engine's count also holds preempted sequences (which have produced tokens already).
+        return max(self._num_queued, self._stats.num_waiting)
 
-    def check_capacity(self, count: int = 1) -> None:
-        """Raise EngineOverloaded unless `count` more requests may queue now."""
+    def admit(self, count: int = 1) -> Admission:
+        """Reserve queue places for `count` requests, or raise EngineOverloaded. Pass the Admission to
+        `generate` (each call takes one place); `release()` gives back places never used."""
         waiting = self.num_waiting
         if waiting + count > self.max_waiting:
             raise EngineOverloaded(waiting, self.max_waiting, self.retry_after_seconds())
+        self._num_queued += count
+        return Admission(self, count)
 
     def retry_after_seconds(self) -> float:
         """How long until the queue has likely drained by one request's worth: waiting / finish rate."""
@@ -131,22 +137,23 @@ class AsyncEngine:
         return float(min(60, max(1, math.ceil(self.num_waiting / rate / 4))))
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *,
-                       admit: bool = True) -> AsyncIterator[StepOutput]:
+                       admission: Admission | None = None) -> AsyncIterator[StepOutput]:
         """Submit a request and yield its StepOutputs until it finishes. ValueError if the engine refuses
-        it; EngineOverloaded if `admit` and the waiting bound is reached. Closing the iterator early (client
-        gone, stop string) aborts the request and frees its blocks."""
+        it; EngineOverloaded if the waiting bound is reached (unless a place was reserved with `admit`).
+        Closing the iterator early (client gone, stop string) aborts the request and frees its blocks."""
         if not self.alive:
             raise EngineDeadError(f"the engine is not running: {self.dead or 'shut down'}")
         self.start()
-        if admit:
-            self.check_capacity(1)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if admission is None:
+            admission = self.admit(1)
+        admission.take()  # this request now owns one queued place, given back at its first output
+        queued = True
         assert self._loop is not None
         queue: asyncio.Queue = asyncio.Queue()
         future = self._loop.create_future()
         self._streams[request_id] = queue
-        self._pending_adds += 1
         self._add_futures.add(future)
         finished = False
         try:
@@ -154,10 +161,12 @@ class AsyncEngine:
             try:
                 await future
             finally:
-                self._pending_adds -= 1
                 self._add_futures.discard(future)
             while True:
                 item = await queue.get()
+                if queued:
+                    self._num_queued -= 1
+                    queued = False
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -167,6 +176,8 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
+            if queued:
+                self._num_queued -= 1
             self._streams.pop(request_id, None)
             if not finished:
                 self._submit(_Abort(request_id))
@@ -264,6 +275,26 @@ class AsyncEngine:
             _settle(future, exc)
         for queue in self._streams.values():
             queue.put_nowait(exc)
+
+
+class Admission:
+    """Queue places reserved by AsyncEngine.admit for the sequences of one client request."""
+
+    __slots__ = ("_engine", "left")
+
+    def __init__(self, engine: AsyncEngine, count: int) -> None:
+        self._engine = engine
+        self.left = count
+
+    def take(self) -> None:
+        if self.left <= 0:
+            raise RuntimeError("this admission has no place left")
+        self.left -= 1
+
+    def release(self) -> None:
+        """Give back the places no generate() call took (idempotent)."""
+        self._engine._num_queued -= self.left
+        self.left = 0
 
 
 def _settle(future: asyncio.Future, exc: BaseException | None) -> None:

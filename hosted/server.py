@@ -34,7 +34,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from hosted.async_engine import AsyncEngine, EngineDeadError, EngineOverloaded
+from hosted.async_engine import Admission, AsyncEngine, EngineDeadError, EngineOverloaded
 from hosted.detokenizer import TextStream
 from hosted.engine import StepOutput
 from hosted.metrics import EngineMetrics
@@ -265,10 +265,12 @@ class _Event:
 class _Generation:
     """Runs every sequence of one request as tasks and merges their events into one queue."""
 
-    def __init__(self, state: ServerState, engine: AsyncEngine, tokenizer: Tokenizer, plan: _Plan) -> None:
+    def __init__(self, state: ServerState, engine: AsyncEngine, tokenizer: Tokenizer, plan: _Plan,
+                 admission: Admission) -> None:
         self.state = state
         self.engine = engine
         self.plan = plan
+        self.admission = admission
         self.choices: list[_Choice] = []
         for p, job in enumerate(plan.jobs):
             for j in range(plan.n):
@@ -304,12 +306,14 @@ class _Generation:
     def cancel(self) -> None:
         for task in self.tasks:
             task.cancel()
+        self.admission.release()
 
     async def _run(self, choice: _Choice, opens: asyncio.Event | None, waits: asyncio.Event | None) -> None:
         try:
             if waits is not None:
                 await waits.wait()
-            stream = self.engine.generate(choice.request_id, choice.job.ids, choice.job.params, admit=False)
+            stream = self.engine.generate(choice.request_id, choice.job.ids, choice.job.params,
+                                          admission=self.admission)
             async with contextlib.aclosing(stream) as outputs:  # type: ignore[type-var]
                 async for out in outputs:
                     if opens is not None:
@@ -367,14 +371,17 @@ class _Generation:
     async def iterate(self) -> AsyncIterator[_Event]:
         """Yield events until every sequence is done; re-raise the first failure."""
         remaining = len(self.tasks)
-        while remaining:
-            item = await self.events.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield item
+        try:
+            while remaining:
+                item = await self.events.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            self.admission.release()
 
     # ---------------------------------------------------------------- summaries
     def usage(self) -> dict[str, Any]:
@@ -574,7 +581,7 @@ def build_app(state: ServerState, loader: Callable[[], tuple[AsyncEngine, Tokeni
                                     f"{state.model_name!r}", param="model", code="model_not_found")
             plan = (_plan_chat if kind == "chat" else _plan_completion)(req, tokenizer, engine)
             try:
-                engine.check_capacity(len(plan.jobs) * plan.n)
+                admission = engine.admit(len(plan.jobs) * plan.n)
             except EngineOverloaded as exc:
                 raise APIError(429, str(exc), type="rate_limit_error", code="engine_overloaded",
                                headers={"Retry-After": str(math.ceil(exc.retry_after))}) from None
@@ -582,7 +589,7 @@ def build_app(state: ServerState, loader: Callable[[], tuple[AsyncEngine, Tokeni
             state.metrics.observe_request(_status_label(err.status))
             return _error_response(err)
 
-        gen = _Generation(state, engine, tokenizer, plan)
+        gen = _Generation(state, engine, tokenizer, plan, admission)
         if plan.stream:
             return StreamingResponse(_stream(gen), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
