@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -306,22 +305,29 @@ def _with_id(response: Response, request_id: str) -> Response:
 
 
 async def _until_disconnect(request: Request, coro):
-    """Await coro, but cancel it (and raise ClientClosed) if the client disconnects first."""
-    work = asyncio.ensure_future(coro)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    """Await coro in this task, but cancel it (and raise ClientClosed) if the client disconnects first.
+
+    One watcher task per request (not two tasks and an asyncio.wait): this is on the hot path.
+    """
+    task = asyncio.current_task()
+    closed = False
+
+    async def watch() -> None:
+        nonlocal closed
+        await _wait_for_disconnect(request)
+        closed = True
+        task.cancel()
+
+    watcher = asyncio.get_running_loop().create_task(watch())
     try:
-        done, _ = await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
+        return await coro
     except asyncio.CancelledError:
-        work.cancel()
-        watcher.cancel()
+        if closed:
+            task.uncancel()
+            raise ClientClosed() from None
         raise
-    if work in done:
+    finally:
         watcher.cancel()
-        return work.result()
-    work.cancel()
-    with contextlib.suppress(asyncio.CancelledError, UpstreamError):
-        await work
-    raise ClientClosed()
 
 
 async def _wait_for_disconnect(request: Request) -> None:
