@@ -1,0 +1,252 @@
+"""Router quality benchmark: APGR / CPT of the difficulty model against baselines.
+
+1. MMLU (../shared/data/routing/mmlu_pairs.csv, not shipped): k-fold cross-validation (default 5)
+   and one 70/30 split, for baselines (random, prompt length, per-subject prior, TF-IDF + LR)
+   and the project's model with feature-set and label-rule ablations.
+2. The project's seed set (router/data/): other task families, repeated 5-fold CV; APGR per
+   family of the model's out-of-fold scores against the prompt-length heuristic.
+
+Prints tables, writes bench/results/router_quality.json and a PNG of the 70/30 curves.
+    .venv/bin/python bench/router_quality.py [--data FILE] [--folds 5] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from router.dataset import LabelledSet, load_labelled
+from router.features import FeatureConfig
+from router.metrics import evaluate, routing_curve
+from router.model import seed_files
+from router.train import (
+    DenseScaler,
+    Featurized,
+    TrainConfig,
+    design_matrix,
+    featurize,
+    fit_featurized,
+    fit_logistic,
+    inverse_document_frequency,
+    labels,
+)
+
+Scorer = Callable[[np.ndarray, np.ndarray], np.ndarray]  # (train rows, test rows) -> test scores
+
+
+def prompt_text(r: object) -> str:
+    if isinstance(r, str):
+        return r
+    return "\n".join(str(m.get("content") or "") for m in r if isinstance(m, dict))
+
+
+class Methods:
+    """Every router under test, as train/test scorers over one data set featurised once."""
+
+    def __init__(self, ds: LabelledSet, seed: int) -> None:
+        self.ds = ds
+        self.seed = seed
+        self.texts = [prompt_text(r) for r in ds.requests]
+        self.cfg = FeatureConfig()
+        t = time.perf_counter()
+        self.f = featurize(ds.requests, self.cfg)
+        self.featurize_s = time.perf_counter() - t
+
+    def sub(self, rows: np.ndarray, blocks: tuple[int, ...], dense: bool) -> Featurized:
+        return Featurized([[self.f.blocks[i][b] for b in blocks] for i in rows],
+                          self.f.dense[rows] if dense else np.zeros((rows.size, 0)))
+
+    # -- baselines
+    def random(self, tr: np.ndarray, te: np.ndarray) -> np.ndarray:
+        return np.random.default_rng(self.seed + int(te[0])).random(te.size)
+
+    def prompt_length(self, tr: np.ndarray, te: np.ndarray) -> np.ndarray:
+        return np.array([len(self.texts[i]) for i in te], dtype=float)
+
+    def family_prior(self, tr: np.ndarray, te: np.ndarray) -> np.ndarray:
+        y, _ = labels(self.ds.weak, self.ds.strong, "strong_only")
+        fam = np.array(self.ds.family)
+        prior = {f: y[tr][fam[tr] == f].mean() for f in set(fam[tr])}
+        return np.array([prior.get(f, y[tr].mean()) for f in fam[te]])
+
+    def tfidf_lr(self, tr: np.ndarray, te: np.ndarray) -> np.ndarray:
+        from sklearn.feature_extraction.text import TfidfVectorizer
+        from sklearn.linear_model import LogisticRegression
+
+        y, _ = labels(self.ds.weak, self.ds.strong, "strong_only")
+        v = TfidfVectorizer()
+        x = v.fit_transform([self.texts[i] for i in tr])
+        clf = LogisticRegression(max_iter=1000).fit(x, y[tr])
+        return clf.decision_function(v.transform([self.texts[i] for i in te]))
+
+    # -- ours, ablations at the matrix level (same features and weighting as the product)
+    def ablation(self, blocks: tuple[int, ...], dense: bool, label: str = "strong_only", C: float = 1.0) -> Scorer:
+        def run(tr: np.ndarray, te: np.ndarray) -> np.ndarray:
+            y, keep = labels(self.ds.weak, self.ds.strong, label)
+            rows = tr[keep[tr]]
+            ftr, fte = self.sub(rows, blocks, dense), self.sub(te, blocks, dense)
+            idf = inverse_document_frequency(ftr.blocks, self.cfg.n_bits)
+            sc = DenseScaler.fit(ftr.dense)
+            w, b = fit_logistic(design_matrix(ftr, self.cfg, idf, sc), y[rows], C)
+            return design_matrix(fte, self.cfg, idf, sc) @ w + b
+
+        return run
+
+    def gain3(self, tr: np.ndarray, te: np.ndarray) -> np.ndarray:
+        """Label alternative: 3 classes (strong better / same / weak better), score = P(+) - P(-)."""
+        from sklearn.linear_model import LogisticRegression
+
+        gain = self.ds.strong.astype(int) - self.ds.weak.astype(int)
+        blocks = (0, 1, 2)
+        ftr, fte = self.sub(tr, blocks, True), self.sub(te, blocks, True)
+        idf = inverse_document_frequency(ftr.blocks, self.cfg.n_bits)
+        sc = DenseScaler.fit(ftr.dense)
+        clf = LogisticRegression(max_iter=1000).fit(design_matrix(ftr, self.cfg, idf, sc), gain[tr])
+        p = clf.predict_proba(design_matrix(fte, self.cfg, idf, sc))
+        cls = list(clf.classes_)
+        return p[:, cls.index(1)] - (p[:, cls.index(-1)] if -1 in cls else 0.0)
+
+    def product(self, tr: np.ndarray, te: np.ndarray, tc: TrainConfig | None = None) -> np.ndarray:
+        """The shipped path end to end: fit_featurized, then DifficultyModel.score per request."""
+        model = fit_featurized(Featurized([self.f.blocks[i] for i in tr], self.f.dense[tr]),
+                               self.ds.weak[tr], self.ds.strong[tr], tc or TrainConfig())
+        return model.score_many([self.ds.requests[i] for i in te])
+
+
+def mmlu_methods(m: Methods, quick: bool) -> dict[str, Scorer]:
+    out: dict[str, Scorer] = {
+        "random": m.random,
+        "prompt length": m.prompt_length,
+        "per-subject prior": m.family_prior,
+        "TF-IDF + LR": m.tfidf_lr,
+        "ours (default: words+chars+dense)": m.product,
+    }
+    if not quick:
+        out.update({
+            "ours: dense only": m.ablation((), True),
+            "ours: words 1-2": m.ablation((0,), False),
+            "ours: chars 3-5": m.ablation((1,), False),
+            "ours: words+chars": m.ablation((0, 1, 2), False),
+            "ours: label weak_wrong": m.ablation((0, 1, 2), True, "weak_wrong"),
+            "ours: label skip_both_wrong": m.ablation((0, 1, 2), True, "skip_both_wrong"),
+            "ours: 3-class gain": m.gain3,
+            "ours: C=0.3": m.ablation((0, 1, 2), True, C=0.3),
+            "ours: C=3": m.ablation((0, 1, 2), True, C=3.0),
+        })
+    return out
+
+
+def folds(n: int, k: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    perm = np.random.default_rng(seed).permutation(n)
+    parts = np.array_split(perm, k)
+    return [(np.concatenate(parts[:i] + parts[i + 1:]), parts[i]) for i in range(k)]
+
+
+def summarise(runs: list[dict]) -> dict:
+    keys = ("apgr", "cpt20", "cpt50", "cpt80")
+    return {k: {"mean": float(np.mean([r[k] for r in runs])), "std": float(np.std([r[k] for r in runs]))}
+            for k in keys}
+
+
+def run_mmlu(ds: LabelledSet, k: int, seed: int, quick: bool, plot: Path | None) -> dict:
+    m = Methods(ds, seed)
+    print(f"MMLU: {len(ds)} rows, featurised in {m.featurize_s:.1f}s; {k}-fold CV and a 70/30 split", flush=True)
+    methods = mmlu_methods(m, quick)
+    result: dict = {"n": len(ds), "folds": k, "kfold": {}, "split_70_30": {}}
+    for name, fn in methods.items():
+        t = time.perf_counter()
+        runs = [evaluate(fn(tr, te), ds.weak[te], ds.strong[te]) for tr, te in folds(len(ds), k, seed)]
+        s = summarise(runs)
+        result["kfold"][name] = s | {"per_fold_apgr": [r["apgr"] for r in runs]}
+        print(f"  {name:<36} APGR {s['apgr']['mean']:.4f} ± {s['apgr']['std']:.4f}   "
+              f"CPT50 {s['cpt50']['mean']:.3f}   ({time.perf_counter() - t:.0f}s)", flush=True)
+    perm = np.random.default_rng(seed).permutation(len(ds))
+    cut = int(0.7 * len(ds))
+    tr, te = perm[:cut], perm[cut:]
+    curves = {}
+    for name in ("prompt length", "per-subject prior", "TF-IDF + LR", "ours (default: words+chars+dense)"):
+        scores = methods[name](tr, te)
+        r = evaluate(scores, ds.weak[te], ds.strong[te])
+        result["split_70_30"][name] = {k2: r[k2] for k2 in ("apgr", "cpt20", "cpt50", "cpt80", "n")}
+        curves[name] = routing_curve(scores, ds.weak[te], ds.strong[te])
+    if plot:
+        from router.plot import plot_curves
+
+        plot_curves(plot, curves, ds.weak[te], ds.strong[te], title=f"MMLU, 70/30 split ({te.size} held out)")
+    return result
+
+
+def run_families(ds: LabelledSet, seed: int, repeats: int) -> dict:
+    m = Methods(ds, seed)
+    fam = np.array(ds.family)
+    names = sorted(set(ds.family))
+    methods = {"prompt length": m.prompt_length, "ours (default)": m.product}
+    # Out-of-fold scores, repeated CV; per family APGR averaged over repeats.
+    per: dict[str, dict[str, list[float]]] = {n: {f: [] for f in names + ["all"]} for n in methods}
+    for r in range(repeats):
+        for name, fn in methods.items():
+            scores = np.zeros(len(ds))
+            for tr, te in folds(len(ds), 5, seed + r):
+                scores[te] = fn(tr, te)
+            for f in names + ["all"]:
+                rows = np.flatnonzero(fam == f) if f != "all" else np.arange(len(ds))
+                w, s = ds.weak[rows], ds.strong[rows]
+                if s.mean() - w.mean() <= 0:
+                    continue
+                per[name][f].append(evaluate(scores[rows], w, s)["apgr"])
+    out: dict = {"n": len(ds), "repeats": repeats, "families": {}}
+    print(f"\nSeed set: {len(ds)} rows, {len(names)} families, {repeats}× repeated 5-fold CV (APGR of out-of-fold "
+          f"scores)")
+    print(f"  {'family':<16}{'n':>5}{'weak':>7}{'strong':>8}{'length':>9}{'ours':>9}")
+    for f in names + ["all"]:
+        rows = np.flatnonzero(fam == f) if f != "all" else np.arange(len(ds))
+        vals = {n: (float(np.mean(per[n][f])) if per[n][f] else None) for n in methods}
+        out["families"][f] = {"n": int(rows.size), "weak_accuracy": float(ds.weak[rows].mean()),
+                              "strong_accuracy": float(ds.strong[rows].mean()),
+                              "apgr_prompt_length": vals["prompt length"], "apgr_ours": vals["ours (default)"]}
+        fmt = (lambda v: f"{v:9.3f}" if v is not None else "      n/a")
+        print(f"  {f:<16}{rows.size:>5}{ds.weak[rows].mean():>7.2f}{ds.strong[rows].mean():>8.2f}"
+              f"{fmt(vals['prompt length'])}{fmt(vals['ours (default)'])}")
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "routing" / "mmlu_pairs.csv"))
+    ap.add_argument("--folds", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=5, help="repeats of the seed-set CV")
+    ap.add_argument("--quick", action="store_true", help="baselines and the default model only")
+    ap.add_argument("--skip-mmlu", action="store_true")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "router_quality.json"))
+    ap.add_argument("--plot", default=str(ROOT / "bench" / "results" / "router_quality.png"))
+    args = ap.parse_args()
+    result: dict = {"benchmark": "router_quality"}
+    if not args.skip_mmlu:
+        if not Path(args.data).is_file():
+            print(f"error: {args.data} not found (pass --data)", file=sys.stderr)
+            return 2
+        result["mmlu"] = run_mmlu(load_labelled(args.data), args.folds, args.seed, args.quick, Path(args.plot))
+    seeds = [load_labelled(p) for p in seed_files()]
+    if seeds:
+        merged = LabelledSet([r for s in seeds for r in s.requests], np.concatenate([s.weak for s in seeds]),
+                             np.concatenate([s.strong for s in seeds]), [f for s in seeds for f in s.family],
+                             "router/data")
+        result["seed_set"] = run_families(merged, args.seed, args.repeats)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"\nwrote {out}" + (f" and {args.plot}" if not args.skip_mmlu else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
