@@ -3,11 +3,15 @@
 Weights stay quantized in memory and are dequantized in registers. Two kernels per format:
   * GEMV (M <= 4 rows, decode): CUDA-core multiply-accumulate over [BLOCK_N, BLOCK_K] weight tiles,
     reduced once at the end; int4 applies scale/zero once per group: s * (sum q*x - z * sum x).
+    Tile shapes are autotuned per (N, K) on a GPU (a heuristic table under the interpreter).
   * tiled matmul (M > 4): tl.dot on the exact integer values (int8 and 0..15 are exact in fp16/bf16),
     scales applied to the fp32 accumulator, so no rounding of dequantized weights.
 """
 
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 import triton
@@ -91,11 +95,11 @@ def _int8_mm_kernel(
 def _int4_gemv_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr,
     N, K, stride_xm, stride_wn, stride_sn, stride_zn, stride_om,
-    GROUP: tl.constexpr, GROUPS_PER_TILE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+    GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
 ):
     HALF_G: tl.constexpr = GROUP // 2
-    BLOCK_K: tl.constexpr = GROUP * GROUPS_PER_TILE
+    GROUPS_PER_TILE: tl.constexpr = BLOCK_K // GROUP
     pid_n = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -189,14 +193,46 @@ def _int4_mm_kernel(
 # --------------------------------------------------------------------------- launch
 
 
+def autotune_enabled() -> bool:
+    """GEMV tile shapes are autotuned per (N, K) on a real GPU (first call per shape benchmarks the
+    candidates); SWITCHYARD_KERNEL_AUTOTUNE=0 or the interpreter use the heuristic table instead."""
+    return not tc.interpreting() and os.environ.get("SWITCHYARD_KERNEL_AUTOTUNE", "1") != "0"
+
+
+def gemv_configs() -> list[triton.Config]:
+    return [
+        triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=warps)
+        for bn in (2, 4, 8, 16)
+        for bk in (256, 512, 1024)
+        for warps in (4, 8)
+        if bn * bk <= 8192
+    ]
+
+
+@functools.cache
+def _tuned(kernel: triton.JITFunction):
+    return triton.autotune(configs=gemv_configs(), key=["N", "K"])(kernel)
+
+
 def _gemv_block_n(n: int, device: torch.device, lo: int, hi: int) -> int:
     """Rows per program: as many as keep >= ~4 programs per SM, within [lo, hi]."""
     per_program = max(1, n // (4 * tc.num_sms(device)))
     return max(lo, min(hi, 1 << (per_program.bit_length() - 1)))
 
 
-def _mm_blocks(m: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) by row count."""
+def _gemv_launch(kernel: triton.JITFunction, rows: int, n: int, k: int, device: torch.device, args: tuple,
+                 block_k: int, **constexprs) -> None:
+    if autotune_enabled():
+        _tuned(kernel)[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), rows)](*args, **constexprs)
+        return
+    block_n = _gemv_block_n(n, device, 2, 16)
+    kernel[(triton.cdiv(n, block_n), rows)](*args, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, **constexprs)
+
+
+def _mm_blocks(m: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) by row count; fp32 operand tiles are twice as large."""
+    if dtype == torch.float32:
+        return (16 if m <= 16 else 32 if m <= 32 else 64), 64, 4, 2
     if m <= 16:
         return 16, 64, 4, 3
     if m <= 32:
@@ -228,14 +264,11 @@ def int8_linear(
         return out.view(*x.shape[:-1], n)
     bias_arg = bias if bias is not None else scales
     if rows <= GEMV_MAX_ROWS:
-        block_n = _gemv_block_n(n, x.device, 2, 16)
-        _int8_gemv_kernel[(triton.cdiv(n, block_n), rows)](
-            x2, w_q, scales, bias_arg, out, n, k, x2.stride(0), w_q.stride(0), out.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=min(512, tc.next_pow2(k, 16)),
-            UPCAST=tc.UPCAST, num_warps=4,
-        )
+        args = (x2, w_q, scales, bias_arg, out, n, k, x2.stride(0), w_q.stride(0), out.stride(0))
+        _gemv_launch(_int8_gemv_kernel, rows, n, k, x.device, args, min(512, tc.next_pow2(k, 16)),
+                     HAS_BIAS=bias is not None, UPCAST=tc.UPCAST)
     else:
-        bm, bn, warps, stages = _mm_blocks(rows)
+        bm, bn, warps, stages = _mm_blocks(rows, x.dtype)
         _int8_mm_kernel[(triton.cdiv(rows, bm), triton.cdiv(n, bn))](
             x2, w_q, scales, bias_arg, out, rows, n, k, x2.stride(0), w_q.stride(0), out.stride(0),
             HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64,
@@ -270,15 +303,11 @@ def int4_linear(
     bias_arg = bias if bias is not None else scales
     common = (n, k, x2.stride(0), w_packed.stride(0), scales.stride(0), zeros_arg.stride(0), out.stride(0))
     if rows <= GEMV_MAX_ROWS:
-        block_n = _gemv_block_n(n, x.device, 4, 32)
-        groups_per_tile = max(1, min(256, tc.next_pow2(k)) // group_size)
-        _int4_gemv_kernel[(triton.cdiv(n, block_n), rows)](
-            x2, w_packed, scales, zeros_arg, bias_arg, out, *common,
-            GROUP=group_size, GROUPS_PER_TILE=groups_per_tile, HAS_ZEROS=zeros is not None,
-            HAS_BIAS=bias is not None, BLOCK_N=block_n, UPCAST=tc.UPCAST, num_warps=4,
-        )
+        args = (x2, w_packed, scales, zeros_arg, bias_arg, out, *common)
+        _gemv_launch(_int4_gemv_kernel, rows, n, k, x.device, args, max(group_size, min(1024, tc.next_pow2(k))),
+                     GROUP=group_size, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, UPCAST=tc.UPCAST)
     else:
-        bm, bn, warps, stages = _mm_blocks(rows)
+        bm, bn, warps, stages = _mm_blocks(rows, x.dtype)
         _int4_mm_kernel[(triton.cdiv(rows, bm), triton.cdiv(n, bn))](
             x2, w_packed, scales, zeros_arg, bias_arg, out, rows, *common,
             GROUP=group_size, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None,
