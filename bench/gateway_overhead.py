@@ -30,6 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from loadgen import LoadResult, run_load
 
 ROOT = Path(__file__).resolve().parent.parent
+# The newest litellm whose `proxy` extra resolves from the package registry here (1.109+ pins proxy
+# packages that are not published there); close to the gateway's own litellm.
+LITELLM_PROXY_VERSION = "1.108.0"
 KEY = "sk-bench"
 BODY = json.dumps({"model": "MODEL", "messages": [{"role": "user", "content": "Say something short please"}],
                    "max_tokens": 16})
@@ -85,13 +88,7 @@ def ensure_litellm_proxy(venv: Path) -> Path | None:
     exe = venv / "bin" / "litellm"
     if exe.exists():
         return exe
-    import litellm  # the same version as the gateway's, for a fair comparison
-
-    version = getattr(litellm, "__version__", None)
-    if version is None:
-        from importlib.metadata import version as pkg_version
-
-        version = pkg_version("litellm")
+    version = LITELLM_PROXY_VERSION
     print(f"creating {venv} with litellm[proxy]=={version} (one-off)…", flush=True)
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     done = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", f"litellm[proxy]=={version}"], check=False)
