@@ -135,6 +135,9 @@ def test_completion_prompt_forms(client, tokenizer, hf_model):
     streamed = client.completions.create(model=MODEL, prompt=text_prompt, temperature=0, max_tokens=12,
                                          stream=True, extra_body={"ignore_eos": True})
     assert "".join(c.choices[0].text for c in streamed if c.choices) == expected
+    echoed = client.completions.create(model=MODEL, prompt=text_prompt, temperature=0, max_tokens=12, echo=True,
+                                       extra_body={"ignore_eos": True})
+    assert echoed.choices[0].text == text_prompt + expected
 
 
 def test_cached_tokens_on_a_repeated_long_prompt(client):
@@ -162,6 +165,9 @@ def test_n_choices_share_the_prompt(server, client):
     sampled = client.completions.create(model=MODEL, prompt="Once upon", n=2, temperature=1.0, seed=3,
                                         max_tokens=16, extra_body={"ignore_eos": True})
     assert len(sampled.choices) == 2 and sampled.choices[0].text != sampled.choices[1].text
+    single = client.completions.create(model=MODEL, prompt="Once upon", temperature=1.0, seed=3, max_tokens=16,
+                                       extra_body={"ignore_eos": True})
+    assert single.choices[0].text == sampled.choices[0].text  # choice 0 keeps the request's seed
     streamed = client.completions.create(model=MODEL, prompt="Once upon", n=2, temperature=1.0, seed=3,
                                          max_tokens=16, stream=True, extra_body={"ignore_eos": True})
     texts = ["", ""]

@@ -1,0 +1,408 @@
+"""Engine throughput, batch-1 decode bandwidth and prefix-cache TTFT, against transformers, in one run.
+
+Model: random weights in the SmolLM-135M shape (hidden 576, 30 layers, 9 heads / 3 KV heads, intermediate
+1536, vocab 49152, tied embeddings), built with transformers' LlamaConfig and saved with save_pretrained.
+fp32 on CPU with 2 threads by default. Workload: 64 requests, prompt lengths uniform in [32, 512] (random
+token ids), 128 output tokens each (EOS ignored). Compared:
+
+  (a) transformers `generate`, one request at a time (on a sample of --hf-requests requests: tok/s is a
+      rate, so the sample gives the rate; the time for all requests is extrapolated and marked so)
+  (b) transformers `generate` on static batches of 16, left-padded
+  (c) this engine (LLMEngine directly), all requests submitted at once: continuous batching, chunked
+      prefill, paged KV cache
+
+Also measured:
+  * batch-1 decode "bandwidth achieved" (as gpt-fast prints it): bytes read per decode step (weights + the
+    KV cache attended to) x decode steps per second, against a measured large-tensor copy bandwidth
+    (read + write bytes per second of torch's `copy_`, same thread count);
+  * TTFT with a shared 1,024-token system prompt: first request (prefix-cache miss) vs a later request
+    with the same system prompt and a different question (hit).
+
+    python bench/engine_throughput.py                 # full run (long on a small CPU)
+    python bench/engine_throughput.py --quick         # smoke run, < 1 minute
+    nice -n 10 python bench/engine_throughput.py --hf-requests 8
+
+Prints a table and writes bench/results/engine_throughput.json.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch
+
+SMOLLM_135M = {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+               "intermediate_size": 1536, "vocab_size": 49152, "tie_word_embeddings": True,
+               "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0}
+TARGETS = {"engine_vs_hf_sequential": 15.0, "engine_vs_hf_static": 2.5, "bandwidth_fraction": 0.75,
+           "prefix_ttft_speedup": 5.0}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ------------------------------------------------------------------------------------------------ setup
+def build_model(directory: Path, layers: int, seed: int) -> dict:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = {**SMOLLM_135M, "num_hidden_layers": layers}
+    torch.manual_seed(seed)
+    config = LlamaConfig(**shape, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(str(directory))
+    params = sum(p.numel() for p in model.parameters())
+    del model
+    gc.collect()
+    return {**shape, "parameters": params}
+
+
+def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def load_hf(model_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+
+def make_engine(model_dir: Path, args, *, max_num_seqs: int, prefix_caching: bool = True,
+                kv_cache_gb: float | None = None):
+    from hosted.engine import EngineConfig, LLMEngine
+
+    return LLMEngine(EngineConfig(model_dir=str(model_dir), dtype="float32", device="cpu",
+                                  max_num_seqs=max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
+                                  kv_cache_gb=kv_cache_gb or args.kv_cache_gb,
+                                  enable_prefix_caching=prefix_caching))
+
+
+# ------------------------------------------------------------------------------------------------ (a), (b)
+def hf_generate(model, batch: list[list[int]], new_tokens: int) -> int:
+    """Greedy-generate exactly new_tokens for each prompt of a left-padded batch; returns tokens produced."""
+    width = max(len(p) for p in batch)
+    ids = torch.zeros((len(batch), width), dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for i, p in enumerate(batch):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None)
+    produced = out.shape[1] - width
+    assert produced == new_tokens, produced
+    return produced * len(batch)
+
+
+def bench_hf_sequential(model, prompts: list[list[int]], new_tokens: int, total_requests: int) -> dict:
+    hf_generate(model, [prompts[0][:16]], 2)  # warm-up
+    t0 = time.perf_counter()
+    tokens = 0
+    for i, p in enumerate(prompts):
+        tokens += hf_generate(model, [p], new_tokens)
+        log(f"  (a) request {i + 1}/{len(prompts)}: {tokens / (time.perf_counter() - t0):.1f} tok/s so far")
+    seconds = time.perf_counter() - t0
+    rate = tokens / seconds
+    return {"requests_measured": len(prompts), "requests_total": total_requests, "output_tokens": tokens,
+            "seconds": seconds, "output_tok_s": rate,
+            "seconds_all_requests_extrapolated": total_requests * new_tokens / rate,
+            "sampled": len(prompts) < total_requests}
+
+
+def bench_hf_static(model, prompts: list[list[int]], new_tokens: int, batch_size: int) -> dict:
+    hf_generate(model, [p[:16] for p in prompts[:2]], 2)  # warm-up
+    t0 = time.perf_counter()
+    tokens = 0
+    for b in range(0, len(prompts), batch_size):
+        tokens += hf_generate(model, prompts[b:b + batch_size], new_tokens)
+        log(f"  (b) batch {b // batch_size + 1}/{-(-len(prompts) // batch_size)}: "
+            f"{tokens / (time.perf_counter() - t0):.1f} tok/s so far")
+    seconds = time.perf_counter() - t0
+    return {"requests": len(prompts), "batch_size": batch_size, "output_tokens": tokens, "seconds": seconds,
+            "output_tok_s": tokens / seconds}
+
+
+# ------------------------------------------------------------------------------------------------ (c)
+def bench_engine(engine, prompts: list[list[int]], new_tokens: int) -> dict:
+    from hosted.sampling import SamplingParams
+
+    engine.generate([prompts[0][:16]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))  # warm-up
+    engine.block_manager.reset_prefix_cache()
+    before = engine.stats()
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    arrival = {}
+    first: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for i, p in enumerate(prompts):
+        rid = f"bench-{i}"
+        engine.add_request(rid, p, params)
+        arrival[rid] = time.perf_counter()
+        counts[rid] = 0
+    steps = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.new_token_ids:
+                counts[out.request_id] += len(out.new_token_ids)
+                first.setdefault(out.request_id, time.perf_counter())
+        steps += 1
+    seconds = time.perf_counter() - t0
+    after = engine.stats()
+    tokens = sum(counts.values())
+    assert tokens == new_tokens * len(prompts), tokens
+    ttfts = sorted(first[r] - arrival[r] for r in first)
+    return {"requests": len(prompts), "output_tokens": tokens, "seconds": seconds, "output_tok_s": tokens / seconds,
+            "steps": steps, "preemptions": after.num_preemptions - before.num_preemptions,
+            "busy_fraction_of_wall": (after.busy_seconds - before.busy_seconds) / seconds,
+            "ttft_median_s": statistics.median(ttfts), "ttft_max_s": ttfts[-1],
+            "kv_blocks": after.kv_blocks_total, "max_num_seqs": engine.config.max_num_seqs,
+            "max_num_batched_tokens": engine.config.max_num_batched_tokens}
+
+
+# ------------------------------------------------------------------------------------------------ bandwidth
+def copy_bandwidth(megabytes: int = 512, repeats: int = 6) -> dict:
+    n = megabytes * (1 << 20) // 4
+    src = torch.rand(n)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    moved = 2 * n * 4  # read + write
+    return {"bytes_moved": moved, "best_seconds": best, "gb_s": moved / best / 1e9}
+
+
+def bench_decode_bandwidth(engine, model_info: dict, prompt_len: int, decode_tokens: int, seed: int) -> dict:
+    from hosted.sampling import SamplingParams
+
+    mc = engine.model_config
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+    # The embedding lookup reads one row per step, but the tied lm_head reads the whole matrix: count it once.
+    kv_per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * 4
+    prompt = make_prompts(1, prompt_len, prompt_len, mc.vocab_size, seed)[0]
+    engine.block_manager.reset_prefix_cache()
+    engine.add_request("bw", prompt, SamplingParams(max_tokens=decode_tokens + 1, temperature=0.0, ignore_eos=True))
+    step_times, contexts = [], []
+    produced = 0
+    while engine.has_unfinished():
+        t0 = time.perf_counter()
+        outs = engine.step()
+        dt = time.perf_counter() - t0
+        if produced >= 1:  # the first step is the prefill; count decode steps only
+            step_times.append(dt)
+            contexts.append(prompt_len + produced)
+        produced += sum(len(o.new_token_ids) for o in outs)
+    # Drop the first decode steps (allocator warm-up) when there are enough.
+    skip = min(4, len(step_times) // 4)
+    step_times, contexts = step_times[skip:], contexts[skip:]
+    mean_step = statistics.mean(step_times)
+    bytes_per_step = weight_bytes + kv_per_token * statistics.mean(contexts)
+    achieved = bytes_per_step / mean_step
+    return {"weight_bytes": weight_bytes, "kv_bytes_per_token": kv_per_token, "mean_context": statistics.mean(contexts),
+            "bytes_per_step": bytes_per_step, "decode_steps": len(step_times), "steps_per_s": 1 / mean_step,
+            "achieved_gb_s": achieved / 1e9}
+
+
+# ------------------------------------------------------------------------------------------------ prefix TTFT
+def bench_prefix_ttft(engine, system_len: int, question_len: int, trials: int, seed: int) -> dict:
+    from hosted.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    vocab = engine.model_config.vocab_size
+
+    def ttft(rid: str, prompt: list[int]) -> tuple[float, int]:
+        t0 = time.perf_counter()
+        engine.add_request(rid, prompt, params)
+        cached = 0
+        seconds = None
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.new_token_ids and seconds is None:
+                    seconds = time.perf_counter() - t0
+                    cached = out.num_cached_tokens
+        assert seconds is not None
+        return seconds, cached
+
+    ttft("warm", make_prompts(1, 64, 64, vocab, seed + 999)[0])
+    misses, hits, cached_hits = [], [], []
+    for t in range(trials):
+        system = make_prompts(1, system_len, system_len, vocab, seed + 100 + t)[0]
+        q1, q2 = make_prompts(2, question_len, question_len, vocab, seed + 200 + t)
+        miss, cached_miss = ttft(f"miss-{t}", system + q1)
+        hit, cached_hit = ttft(f"hit-{t}", system + q2)
+        assert cached_miss == 0, cached_miss
+        misses.append(miss)
+        hits.append(hit)
+        cached_hits.append(cached_hit)
+        log(f"  prefix trial {t + 1}/{trials}: miss {miss * 1000:.0f} ms, hit {hit * 1000:.0f} ms "
+            f"({cached_hit} cached tokens)")
+    miss_m, hit_m = statistics.median(misses), statistics.median(hits)
+    return {"system_tokens": system_len, "question_tokens": question_len, "trials": trials,
+            "ttft_miss_median_s": miss_m, "ttft_hit_median_s": hit_m, "speedup": miss_m / hit_m,
+            "cached_tokens_on_hit": statistics.median(cached_hits)}
+
+
+# ------------------------------------------------------------------------------------------------ main
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="smoke run: 2 layers, 4 short requests, about a minute")
+    ap.add_argument("--requests", type=int, default=None, help="requests (default 64; quick 4)")
+    ap.add_argument("--min-prompt", type=int, default=None, help="shortest prompt (default 32)")
+    ap.add_argument("--max-prompt", type=int, default=None, help="longest prompt (default 512; quick 64)")
+    ap.add_argument("--output-tokens", type=int, default=None, help="tokens per request (default 128; quick 8)")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default 30; quick 2)")
+    ap.add_argument("--batch-size", type=int, default=16, help="static batch size for (b)")
+    ap.add_argument("--hf-requests", type=int, default=None,
+                    help="requests measured for (a) (default 16; quick 2); the rate is reported for all")
+    ap.add_argument("--hf-batches", type=int, default=None, help="static batches measured for (b) (default all)")
+    ap.add_argument("--skip-hf", action="store_true", help="only measure the engine")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--max-batched-tokens", type=int, default=2048)
+    ap.add_argument("--kv-cache-gb", type=float, default=None,
+                    help="engine KV pool (default: enough for every request at full length)")
+    ap.add_argument("--system-tokens", type=int, default=None, help="shared system prompt (default 1024; quick 128)")
+    ap.add_argument("--prefix-trials", type=int, default=None, help="(default 3; quick 2)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "engine_throughput.json"))
+    args = ap.parse_args(argv)
+    q = args.quick
+    n_req = args.requests or (4 if q else 64)
+    lo = args.min_prompt or 32
+    hi = args.max_prompt or (64 if q else 512)
+    new_tokens = args.output_tokens or (8 if q else 128)
+    layers = args.layers or (2 if q else 30)
+    hf_requests = min(n_req, args.hf_requests or (2 if q else 16))
+    system_tokens = args.system_tokens or (128 if q else 1024)
+    trials = args.prefix_trials or (2 if q else 3)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+
+    results: dict = {"config": {"requests": n_req, "prompt_len": [lo, hi], "output_tokens": new_tokens,
+                                "layers": layers, "threads": args.threads, "dtype": "float32", "device": "cpu",
+                                "quick": q, "hf_requests": hf_requests, "batch_size": args.batch_size},
+                     "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                                 "cpu_count": os.cpu_count(), "torch": torch.__version__,
+                                 "load_avg_at_start": os.getloadavg()}}
+    with tempfile.TemporaryDirectory(prefix="sy-bench-") as tmp:
+        model_dir = Path(tmp) / "smollm-135m-shape"
+        log(f"building random-weight model ({layers} layers) in {model_dir}")
+        info = build_model(model_dir, layers, args.seed)
+        results["model"] = info
+        prompts = make_prompts(n_req, lo, hi, info["vocab_size"], args.seed)
+        need_tokens = sum(len(p) + new_tokens for p in prompts)
+        kv_gb = args.kv_cache_gb or (need_tokens * 2 * layers * 3 * 64 * 4 * 1.1 / (1 << 30) + 0.05)
+
+        if not args.skip_hf:
+            hf = load_hf(model_dir)
+            sample = random.Random(args.seed + 1).sample(prompts, hf_requests)
+            log(f"(a) transformers generate, one request at a time, {hf_requests} of {n_req} requests")
+            results["hf_sequential"] = bench_hf_sequential(hf, sample, new_tokens, n_req)
+            batches = prompts if args.hf_batches is None else prompts[:args.hf_batches * args.batch_size]
+            log(f"(b) transformers generate, static batches of {args.batch_size}, {len(batches)} requests")
+            results["hf_static"] = bench_hf_static(hf, batches, new_tokens, args.batch_size)
+            del hf
+            gc.collect()
+
+        log(f"(c) engine, {n_req} requests at once (KV pool {kv_gb:.2f} GiB)")
+        engine = make_engine(model_dir, args, max_num_seqs=n_req, kv_cache_gb=kv_gb)
+        results["engine"] = bench_engine(engine, prompts, new_tokens)
+        log(f"  (c) {results['engine']['output_tok_s']:.1f} tok/s")
+        del engine
+        gc.collect()
+
+        log("batch-1 decode bandwidth")
+        results["copy_bandwidth"] = copy_bandwidth(128 if q else 512)
+        engine = make_engine(model_dir, args, max_num_seqs=4, kv_cache_gb=0.25)
+        results["decode_bandwidth"] = bench_decode_bandwidth(engine, info, 256 if not q else 64,
+                                                             16 if q else 64, args.seed)
+        del engine
+        gc.collect()
+
+        log(f"TTFT with a shared {system_tokens}-token system prompt")
+        engine = make_engine(model_dir, args, max_num_seqs=4, kv_cache_gb=0.5)
+        results["prefix_ttft"] = bench_prefix_ttft(engine, system_tokens, 32, trials, args.seed)
+        del engine
+
+    results["machine"]["load_avg_at_end"] = os.getloadavg()
+    ratios: dict = {}
+    eng = results["engine"]["output_tok_s"]
+    if "hf_sequential" in results:
+        ratios["engine_vs_hf_sequential"] = eng / results["hf_sequential"]["output_tok_s"]
+        ratios["engine_vs_hf_static"] = eng / results["hf_static"]["output_tok_s"]
+    ratios["bandwidth_fraction"] = (results["decode_bandwidth"]["achieved_gb_s"]
+                                    / results["copy_bandwidth"]["gb_s"])
+    ratios["prefix_ttft_speedup"] = results["prefix_ttft"]["speedup"]
+    results["ratios"] = ratios
+    results["targets"] = TARGETS
+    results["targets_met"] = {k: ratios[k] >= v for k, v in TARGETS.items() if k in ratios}
+    print_table(results)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    log(f"wrote {out}")
+    return 0
+
+
+def print_table(r: dict) -> None:
+    c = r["config"]
+    print()
+    print(f"Engine throughput — {r['model']['parameters'] / 1e6:.0f}M-parameter SmolLM-135M-shape model "
+          f"({c['layers']} layers), fp32, CPU, {c['threads']} threads")
+    print(f"{c['requests']} requests, prompts {c['prompt_len'][0]}-{c['prompt_len'][1]} tokens, "
+          f"{c['output_tokens']} output tokens each (EOS ignored)")
+    print(f"load average: {r['machine']['load_avg_at_start'][0]:.1f} at start, "
+          f"{r['machine']['load_avg_at_end'][0]:.1f} at end ({r['machine']['cpu_count']} CPUs)")
+    print()
+    rows = []
+    if "hf_sequential" in r:
+        a = r["hf_sequential"]
+        note = (f"sampled {a['requests_measured']}/{a['requests_total']} requests; all would take "
+                f"~{a['seconds_all_requests_extrapolated']:.0f} s (extrapolated)" if a["sampled"] else "all requests")
+        rows.append(("(a) transformers, one at a time", a["output_tok_s"], a["seconds"], note))
+        b = r["hf_static"]
+        rows.append((f"(b) transformers, static batches of {b['batch_size']}", b["output_tok_s"], b["seconds"],
+                     f"{b['requests']} requests, left padding"))
+    e = r["engine"]
+    rows.append(("(c) switchyard engine", e["output_tok_s"], e["seconds"],
+                 f"{e['steps']} steps, {e['preemptions']} preemptions, median TTFT {e['ttft_median_s']:.1f} s"))
+    print(f"{'method':<42} {'output tok/s':>12} {'seconds':>9}  notes")
+    for name, rate, sec, note in rows:
+        print(f"{name:<42} {rate:>12.1f} {sec:>9.1f}  {note}")
+    ratios, targets = r["ratios"], r["targets"]
+    print()
+    print(f"{'ratio':<42} {'measured':>12} {'target':>9}")
+    labels = {"engine_vs_hf_sequential": "(c) / (a) output tok/s", "engine_vs_hf_static": "(c) / (b) output tok/s",
+              "bandwidth_fraction": "batch-1 decode bandwidth / copy bandwidth",
+              "prefix_ttft_speedup": "TTFT miss / TTFT hit (shared system prompt)"}
+    for key, label in labels.items():
+        if key in ratios:
+            ok = "met" if ratios[key] >= targets[key] else "NOT met"
+            print(f"{label:<42} {ratios[key]:>11.2f}x {targets[key]:>8.2f}x  {ok}")
+    bw, cp = r["decode_bandwidth"], r["copy_bandwidth"]
+    print()
+    print(f"bandwidth achieved: {bw['achieved_gb_s']:.2f} GB/s = {bw['bytes_per_step'] / 1e6:.0f} MB/step "
+          f"(weights {bw['weight_bytes'] / 1e6:.0f} MB + KV at mean context {bw['mean_context']:.0f}) x "
+          f"{bw['steps_per_s']:.2f} steps/s; copy bandwidth {cp['gb_s']:.2f} GB/s (read+write)")
+    p = r["prefix_ttft"]
+    print(f"prefix TTFT: miss {p['ttft_miss_median_s'] * 1000:.0f} ms, hit {p['ttft_hit_median_s'] * 1000:.0f} ms "
+          f"({p['cached_tokens_on_hit']:.0f} of {p['system_tokens'] + p['question_tokens']} prompt tokens cached), "
+          f"median of {p['trials']}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
