@@ -126,15 +126,17 @@ class AsyncEngine:
         return Admission(self, count)
 
     def retry_after_seconds(self) -> float:
-        """How long until the queue has likely drained by one request's worth: waiting / finish rate."""
+        """About when a queue place frees up: the places over the bound / recent requests finished per second
+        (1-60 s; 2 s before anything has finished)."""
         now = time.monotonic()
         window = min(self.busy_window_s, max(now - self._started_at, 1e-3))
         with self._busy_lock:
             finished = sum(1 for t in self._finish_events if t > now - window)
         rate = finished / window
         if rate <= 0:
-            return 5.0
-        return float(min(60, max(1, math.ceil(self.num_waiting / rate / 4))))
+            return 2.0
+        excess = max(1, self.num_waiting - self.max_waiting + 1)
+        return float(min(60, max(1, math.ceil(excess / rate))))
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *,
                        admission: Admission | None = None) -> AsyncIterator[StepOutput]:

@@ -18,6 +18,9 @@ def _add_serve(esub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-waiting", type=int, default=256, help="queued requests beyond which the server answers 429")
     p.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache memory budget in GiB")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides --kv-cache-gb)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output (default: the model's max_position_embeddings)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--log-level", default="info")

@@ -21,7 +21,6 @@ import logging
 import math
 import signal
 import sys
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -125,7 +124,7 @@ def _too_long(prompt_len: int, max_tokens: int, engine: AsyncEngine, param: str)
                              f"{total} tokens, more than this model's context length of {engine.max_model_len} "
                              f"tokens; shorten the prompt or lower max_tokens", param=param,
                         code="context_length_exceeded")
-    if total - 1 > engine.max_request_tokens - 1:
+    if total > engine.max_request_tokens:
         return APIError(400, f"the prompt has {prompt_len} tokens and max_tokens is {max_tokens}: together "
                              f"{total} tokens, more than the engine's KV cache can hold for one request "
                              f"({engine.max_request_tokens}); shorten the prompt or lower max_tokens",
@@ -180,7 +179,7 @@ def _plan_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, engine: AsyncEn
         raise APIError(400, "the rendered conversation is empty", param="messages", code="empty_prompt")
     max_tokens = req.max_output_tokens
     if max_tokens is None:
-        max_tokens = min(engine.max_model_len, engine.max_request_tokens) - len(ids)
+        max_tokens = engine.max_request_tokens - len(ids)  # all the room left (max_request_tokens <= context)
         if max_tokens < 1:
             raise APIError(400, f"the messages have {len(ids)} tokens, which leaves no room to answer within "
                                 f"this model's context length of {engine.max_model_len} tokens",
@@ -768,22 +767,3 @@ def cli_serve(args: argparse.Namespace) -> int:
     if exit_code["value"] == 0:
         print("switchyard engine stopped", flush=True)
     return exit_code["value"]
-
-
-def serve_in_thread(state: ServerState, host: str = "127.0.0.1", port: int = 0) -> tuple[Any, threading.Thread, int]:
-    """Run an app for an already-built engine in a background thread (tests, benchmarks). Returns
-    (uvicorn server, thread, bound port); stop with `server.should_exit = True; thread.join()`."""
-    import socket
-
-    import uvicorn
-
-    sock = socket.socket()
-    sock.bind((host, port))
-    bound = sock.getsockname()[1]
-    config = uvicorn.Config(build_app(state), log_level="warning", access_log=False, lifespan="on")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    return server, thread, bound

@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 
+import httpx
 import pytest
 
 from hosted.async_engine import AsyncEngine, EngineOverloaded, collect
@@ -129,5 +130,35 @@ async def test_async_engine_bounds_waiting_and_measures_busy_fraction(model_dir)
         assert stats.num_running == 0 and stats.kv_blocks_free == stats.kv_blocks_total
         with pytest.raises(ValueError, match="empty"):
             await collect(engine.generate("empty", [], params))
+    finally:
+        await engine.shutdown()
+
+
+async def test_small_kv_pool_refuses_what_cannot_fit_and_preempts_the_rest(model_dir):
+    """In-process app over a deliberately small KV pool (8 blocks x 16 tokens)."""
+    engine = AsyncEngine(LLMEngine(EngineConfig(model_dir=str(model_dir), num_kv_blocks=8, max_num_seqs=4)))
+    state = ServerState(model_name="tiny", engine=engine, tokenizer=Tokenizer.from_dir(model_dir))
+    transport = httpx.ASGITransport(app=build_app(state))
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://engine", timeout=120) as http:
+            r = await http.post("/v1/completions", json={"model": "tiny", "prompt": [5] * 100, "max_tokens": 50})
+            assert r.status_code == 400
+            assert r.json()["error"]["code"] == "context_length_exceeded" and "KV cache" in r.json()["error"]["message"]
+
+            async def run(i: int) -> dict:
+                body = {"model": "tiny", "prompt": [7 + i] * 40, "max_tokens": 40, "temperature": 0,
+                        "ignore_eos": True}
+                resp = await http.post("/v1/completions", json=body)
+                assert resp.status_code == 200, resp.text
+                return resp.json()
+
+            solo = [await run(i) for i in range(3)]
+            together = await asyncio.gather(*(run(i) for i in range(3)))  # 3 x 5 blocks > 8: preemption
+            for a, b in zip(solo, together):
+                assert b["usage"]["completion_tokens"] == 40
+                assert a["choices"][0]["text"] == b["choices"][0]["text"]
+            stats = engine.stats()
+            assert stats.num_preemptions >= 1
+            assert stats.kv_blocks_free == stats.kv_blocks_total and stats.num_running == 0
     finally:
         await engine.shutdown()
