@@ -122,7 +122,7 @@ def bench_hf_sequential(model, prompts: list[list[int]], new_tokens: int, total_
             "sampled": len(prompts) < total_requests}
 
 
-def bench_hf_static(model, prompts: list[list[int]], new_tokens: int, batch_size: int) -> dict:
+def bench_hf_static(model, prompts: list[list[int]], new_tokens: int, batch_size: int, total_requests: int) -> dict:
     hf_generate(model, [p[:16] for p in prompts[:2]], 2)  # warm-up
     t0 = time.perf_counter()
     tokens = 0
@@ -131,8 +131,11 @@ def bench_hf_static(model, prompts: list[list[int]], new_tokens: int, batch_size
         log(f"  (b) batch {b // batch_size + 1}/{-(-len(prompts) // batch_size)}: "
             f"{tokens / (time.perf_counter() - t0):.1f} tok/s so far")
     seconds = time.perf_counter() - t0
-    return {"requests": len(prompts), "batch_size": batch_size, "output_tokens": tokens, "seconds": seconds,
-            "output_tok_s": tokens / seconds}
+    rate = tokens / seconds
+    return {"requests": len(prompts), "requests_total": total_requests, "batch_size": batch_size,
+            "output_tokens": tokens, "seconds": seconds, "output_tok_s": rate,
+            "seconds_all_requests_extrapolated": total_requests * new_tokens / rate,
+            "sampled": len(prompts) < total_requests}
 
 
 # ------------------------------------------------------------------------------------------------ (c)
@@ -269,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=16, help="static batch size for (b)")
     ap.add_argument("--hf-requests", type=int, default=None,
                     help="requests measured for (a) (default 16; quick 2); the rate is reported for all")
-    ap.add_argument("--hf-batches", type=int, default=None, help="static batches measured for (b) (default all)")
+    ap.add_argument("--hf-batches", type=int, default=None,
+                    help="static batches measured for (b) (default all); the rate is reported for all")
     ap.add_argument("--skip-hf", action="store_true", help="only measure the engine")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-batched-tokens", type=int, default=2048)
@@ -314,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
             results["hf_sequential"] = bench_hf_sequential(hf, sample, new_tokens, n_req)
             batches = prompts if args.hf_batches is None else prompts[:args.hf_batches * args.batch_size]
             log(f"(b) transformers generate, static batches of {args.batch_size}, {len(batches)} requests")
-            results["hf_static"] = bench_hf_static(hf, batches, new_tokens, args.batch_size)
+            results["hf_static"] = bench_hf_static(hf, batches, new_tokens, args.batch_size, n_req)
             del hf
             gc.collect()
 
@@ -375,8 +379,10 @@ def print_table(r: dict) -> None:
                 f"~{a['seconds_all_requests_extrapolated']:.0f} s (extrapolated)" if a["sampled"] else "all requests")
         rows.append(("(a) transformers, one at a time", a["output_tok_s"], a["seconds"], note))
         b = r["hf_static"]
+        note = (f"sampled {b['requests']}/{b['requests_total']} requests; all would take "
+                f"~{b['seconds_all_requests_extrapolated']:.0f} s (extrapolated)" if b["sampled"] else "all requests")
         rows.append((f"(b) transformers, static batches of {b['batch_size']}", b["output_tok_s"], b["seconds"],
-                     f"{b['requests']} requests, left padding"))
+                     f"{note}; left padding"))
     e = r["engine"]
     rows.append(("(c) switchyard engine", e["output_tok_s"], e["seconds"],
                  f"{e['steps']} steps, {e['preemptions']} preemptions, median TTFT {e['ttft_median_s']:.1f} s"))

@@ -286,6 +286,7 @@ class _Generation:
                     request_id=f"{plan.request_id}-{p}-{j}"))
         self.events: asyncio.Queue[_Event | BaseException | None] = asyncio.Queue()
         self.tasks: list[asyncio.Task] = []
+        self.outcome: str | None = None  # "success" | "error" | "aborted" once the response is decided
         self.t_start = time.monotonic()
         self.t_first_token: float | None = None
 
@@ -529,6 +530,21 @@ class _ChunkWriter:
 
 
 # ---------------------------------------------------------------------------------------------- handlers
+class _EventStream(StreamingResponse):
+    """SSE response that calls `on_end` however the response ends (done, failed, client gone)."""
+
+    def __init__(self, content: AsyncIterator[str], on_end: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_end = on_end
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_end()
+
+
 async def _wait_for_disconnect(request: Request) -> None:
     while True:
         message = await request.receive()
@@ -590,9 +606,15 @@ def build_app(state: ServerState, loader: Callable[[], tuple[AsyncEngine, Tokeni
 
         gen = _Generation(state, engine, tokenizer, plan, admission)
         if plan.stream:
-            return StreamingResponse(_stream(gen), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return _EventStream(_stream(gen), on_end=lambda: _end_stream(gen))
         return await _complete(request, gen)
+
+    def _end_stream(gen: _Generation) -> None:
+        # Runs whenever the response ends, even if the body iterator never started (client gone at once).
+        if gen.outcome is None:
+            gen.outcome = "aborted"
+            gen.cancel()  # abort every sequence and give back queue places (synchronous: safe when cancelled)
+            state.metrics.observe_request("aborted")
 
     async def _complete(request: Request, gen: _Generation) -> Response:
         gen.start()
@@ -633,35 +655,29 @@ def build_app(state: ServerState, loader: Callable[[], tuple[AsyncEngine, Tokeni
 
     async def _stream(gen: _Generation) -> AsyncIterator[str]:
         writer = _ChunkWriter(state, gen)
-        done = False
         gen.start()
+        for chunk in writer.opening():
+            yield chunk
+        finished = 0
+        total = len(gen.choices)
         try:
-            for chunk in writer.opening():
-                yield chunk
-            finished = 0
-            total = len(gen.choices)
-            try:
-                async for ev in gen.iterate():
-                    if ev.finish_reason is not None:
-                        finished += 1
-                    for chunk in writer.event(ev, last=finished == total):
-                        yield chunk
-            except (ValueError, EngineDeadError, RuntimeError) as exc:
-                gen.cancel()
-                err = _failure(exc)
-                yield f"data: {err.body.decode()}\n\n"
-                yield "data: [DONE]\n\n"
-                done = True
-                return
-            for chunk in writer.closing():
-                yield chunk
-            done = True
-            state.metrics.observe_request("success")
-            gen.observe(state.metrics)
-        finally:
-            if not done:
-                gen.cancel()  # client gone: abort every sequence (synchronous; no await under cancellation)
-                state.metrics.observe_request("aborted")
+            async for ev in gen.iterate():
+                if ev.finish_reason is not None:
+                    finished += 1
+                for chunk in writer.event(ev, last=finished == total):
+                    yield chunk
+        except (ValueError, EngineDeadError, RuntimeError) as exc:
+            gen.outcome = "error"
+            gen.cancel()
+            err = _failure(exc)
+            yield f"data: {err.body.decode()}\n\n"
+            yield "data: [DONE]\n\n"
+            return
+        for chunk in writer.closing():
+            yield chunk
+        gen.outcome = "success"
+        state.metrics.observe_request("success")
+        gen.observe(state.metrics)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
