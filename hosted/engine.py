@@ -142,8 +142,9 @@ class LLMEngine:
         if batch.empty:
             return outputs
         t0 = time.perf_counter()
-        logits, sample_seqs = self.runner.execute(batch)
-        result = self.sampler(logits, sample_seqs) if sample_seqs else None
+        with torch.inference_mode():
+            logits, sample_seqs = self.runner.execute(batch)
+            result = self.sampler(logits, sample_seqs) if sample_seqs else None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - t0

@@ -90,7 +90,7 @@ class ModelRunner:
             # Only partial prefill chunks: the forward still has to fill the KV cache.
             logits_indices = logits_indices[:0]
         with torch.inference_mode():
-            logits = self.model(input_ids, positions, self.cos_sin, meta, logits_indices)
+            logits = self.model(input_ids, positions, self.cos_sin, meta, logits_indices)  # no-op if nested
         return (logits if sample_seqs else None), sample_seqs
 
     def prepare(self, batch: ScheduledBatch):
