@@ -91,20 +91,39 @@ def hf_models(tiny_model_dirs):
     return get
 
 
+# Test modules of the engine core; the pool check below is applied to every engine their tests build.
+_ENGINE_CORE_TESTS = ("test_model_", "test_engine_", "test_block_manager", "test_scheduler", "test_sampler")
+
+
+@pytest.fixture(autouse=True)
+def _kv_pool_back_to_free(request, monkeypatch):
+    """After every engine-core test, each LLMEngine it created has no requests left and every KV block free."""
+    if not request.module.__name__.rpartition(".")[2].startswith(_ENGINE_CORE_TESTS):
+        yield
+        return
+    from hosted.engine import LLMEngine
+
+    created: list[LLMEngine] = []
+    original = LLMEngine.__init__
+
+    def tracking_init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        created.append(self)
+
+    monkeypatch.setattr(LLMEngine, "__init__", tracking_init)
+    yield
+    for engine in created:
+        assert not engine.has_unfinished(), "test left requests in the engine"
+        engine.block_manager.check_all_free()
+
+
 @pytest.fixture
 def make_engine():
-    """Build LLMEngines; after the test every one of them must have all KV blocks free again."""
+    """Build an LLMEngine on a checkpoint dir (small default pool)."""
     from hosted.engine import EngineConfig, LLMEngine
-
-    engines: list[LLMEngine] = []
 
     def make(model_dir: str, **kw) -> LLMEngine:
         kw.setdefault("num_kv_blocks", 128)
-        engine = LLMEngine(EngineConfig(model_dir=model_dir, **kw))
-        engines.append(engine)
-        return engine
+        return LLMEngine(EngineConfig(model_dir=model_dir, **kw))
 
-    yield make
-    for engine in engines:
-        assert not engine.has_unfinished(), "test left requests in the engine"
-        engine.block_manager.check_all_free()
+    return make
