@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass
 
 from gateway.backends import build_backend
@@ -82,3 +83,5 @@ class BackendPool:
         self._backends.clear()
         self._specs.clear()
         await self._embedded.stop_all()
+        if "gateway.backends.litellm_backend" in sys.modules:
+            await sys.modules["gateway.backends.litellm_backend"].stop_litellm_workers()

@@ -159,3 +159,14 @@ def map_litellm_error(e: Exception, backend: str) -> UpstreamError:
         retry_after = parse_retry_after(response.headers.get("retry-after"))
     return UpstreamError(message, kind="http", status=status, retryable=is_retryable_status(status), body=body,
                          retry_after=retry_after, backend=backend)
+
+
+async def stop_litellm_workers() -> None:
+    """Stop litellm's background logging worker on this event loop (at gateway shutdown).
+
+    litellm starts it lazily on the loop of the first call; left running, it dies noisily when the
+    loop closes. We keep our own ledger, so anything it still holds is discarded.
+    """
+    from litellm.litellm_core_utils.logging_worker import GLOBAL_LOGGING_WORKER
+
+    await GLOBAL_LOGGING_WORKER.stop(discard_pending=True, timeout=2.0)
