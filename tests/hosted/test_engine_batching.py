@@ -130,3 +130,20 @@ def test_stop_token_ids_stop(tiny_model_dirs, make_engine):
         for o in engine.step():
             last = o
     assert last.finish_reason == "length"
+
+
+def test_step_time_is_split_by_tokens_processed(tiny_model_dirs, make_engine):
+    engine = make_engine(tiny_model_dirs["llama"])
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    engine.add_request("dec", [5, 6, 7], params)
+    engine.step()  # "dec" prefilled (3 tokens) and sampled its first token
+    before = engine._seqs["dec"].device_seconds
+    busy_before = engine.stats().busy_seconds
+    engine.add_request("pre", list(range(20, 29)), params)
+    engine.step()  # one step: 1 decode token for "dec" + 9 prefill tokens for "pre"
+    step_time = engine.stats().busy_seconds - busy_before
+    dec_share = engine._seqs["dec"].device_seconds - before
+    pre_share = engine._seqs["pre"].device_seconds
+    assert abs(dec_share - step_time / 10) < 1e-12 and abs(pre_share - step_time * 9 / 10) < 1e-12
+    while engine.has_unfinished():
+        engine.step()
