@@ -64,33 +64,30 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """One query token per sequence: q [B, Hq, D] attends to positions 0..context_lens[b]-1 -> [B, Hq, D]."""
+    """One query token per sequence: q [B, Hq, D] attends to positions 0..context_lens[b]-1 -> [B, Hq, D].
+
+    One batched gather of the blocks in use and one SDPA call for the whole batch (GQA handled by SDPA);
+    shorter sequences are masked out up to the longest one."""
     batch, num_q_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    group = num_q_heads // num_kv_heads
+    num_blocks, block_size, _, _ = k_cache.shape
     if batch == 0:
         return torch.empty_like(q)
-    lens = context_lens.to(torch.int64)
+    lens = context_lens.to(device=q.device, dtype=torch.int64)
     max_len = int(lens.max())
     if max_len <= 0:
         return torch.zeros_like(q)
     nblk = -(-max_len // block_size)
-    # Entries past a sequence's own blocks may hold anything: point them at block 0.
-    needed = torch.div(lens + block_size - 1, block_size, rounding_mode="floor")
-    table = block_tables[:, :nblk].to(torch.int64)
-    table = torch.where(torch.arange(nblk, device=q.device)[None, :] < needed[:, None], table, 0)
-    k = _gather_kv(k_cache, table, nblk * block_size)  # [B, L, Hkv, D]
-    v = _gather_kv(v_cache, table, nblk * block_size)
+    # Entries past a sequence's own blocks may hold anything: clamp them into range (they are masked).
+    table = block_tables[:, :nblk].to(torch.int64).clamp(0, num_blocks - 1)
     length = nblk * block_size
-
-    qf = q.float().view(batch, num_kv_heads, group, head_dim)
-    kf = k.float().permute(0, 2, 3, 1)  # [B, Hkv, D, L]
-    scores = torch.matmul(qf, kf).mul_(scale)  # [B, Hkv, G, L]
-    pad = torch.arange(length, device=q.device)[None, :] >= lens[:, None]  # [B, L]
-    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    vf = v.float().permute(0, 2, 1, 3)  # [B, Hkv, L, D]
-    out = torch.matmul(probs, vf).view(batch, num_q_heads, head_dim)
+    k = _gather_kv(k_cache, table, length).transpose(1, 2)  # [B, Hkv, L, D] (a view)
+    v = _gather_kv(v_cache, table, length).transpose(1, 2)
+    if k.dtype != torch.float32:
+        k, v = k.float(), v.float()
+    visible = (torch.arange(length, device=q.device)[None, :] < lens[:, None])[:, None, None, :]
+    out = F.scaled_dot_product_attention(
+        q.float()[:, :, None, :], k, v, attn_mask=visible, scale=scale, enable_gqa=True
+    ).view(batch, num_q_heads, head_dim)
     if bool((lens <= 0).any()):
         out = out.masked_fill((lens <= 0)[:, None, None], 0.0)
     return out.to(q.dtype)
