@@ -2,7 +2,7 @@
 
 Dispatch (read per call, so tests can flip it):
   SWITCHYARD_KERNELS unset/"auto": CUDA tensors -> Triton (when triton imports), anything else -> the
-                                    plain-torch reference or torch's own fast CPU op.
+                                    plain-torch reference (vectorised; it is the engine's CPU path).
   SWITCHYARD_KERNELS=triton:        Triton always (on CPU this needs TRITON_INTERPRET=1 and is slow).
   SWITCHYARD_KERNELS=reference:     the reference always.
 
@@ -187,10 +187,7 @@ def int8_linear(
     """x [M, K] @ (w_q [N, K] * scales[:, None]).T (+ bias) -> [M, N] in x.dtype."""
     if _use_triton(x):
         return _triton_module().int8_linear(x, w_q, scales, bias)
-    if backend_mode() == "auto" and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2:
-        # torch's own CPU int8 weight-only GEMM: no dequantized copy of the weight per call.
-        out = torch.ops.aten._weight_int8pack_mm(x.contiguous(), w_q.contiguous(), scales.float())
-        return out if bias is None else out + bias
+    # (torch's aten._weight_int8pack_mm was measured 2-20x slower than the reference on this CPU.)
     return reference.int8_linear(x, w_q, scales, bias)
 
 

@@ -293,11 +293,16 @@ def unpack_int4(w_packed: torch.Tensor) -> torch.Tensor:
 def dequantize_int4(
     w_packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int
 ) -> torch.Tensor:
-    q = unpack_int4(w_packed).float()
-    n, k = q.shape
-    q = q.view(n, k // group_size, group_size)
-    zero = zeros.float()[..., None] if zeros is not None else 8.0
-    return ((q - zero) * scales.float()[..., None]).view(n, k)
+    """fp32 [N, K]; written in place into one buffer (this runs per call on the CPU path)."""
+    n, half = w_packed.shape
+    k = half * 2
+    w = torch.empty(n, k, dtype=torch.float32, device=w_packed.device)
+    w[:, 0::2] = w_packed & 0x0F
+    w[:, 1::2] = w_packed >> 4
+    groups = w.view(n, k // group_size, group_size)
+    groups.sub_(zeros.float()[..., None] if zeros is not None else 8.0)
+    groups.mul_(scales.float()[..., None])
+    return w
 
 
 def int4_linear(

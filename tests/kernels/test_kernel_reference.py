@@ -123,7 +123,6 @@ def test_int8_round_trip_and_linear():
     x = torch.randn(3, 64)
     want = x.double() @ reference.dequantize_int8(w_q, scales).double().t()
     torch.testing.assert_close(reference.int8_linear(x, w_q, scales).double(), want, atol=1e-4, rtol=1e-5)
-    # ops on CPU fp32 uses torch's int8 weight-only GEMM: same numbers.
     bias = torch.randn(24)
     torch.testing.assert_close(ops.int8_linear(x, w_q, scales, bias), reference.int8_linear(x, w_q, scales, bias),
                                atol=1e-4, rtol=1e-5)
