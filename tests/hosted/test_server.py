@@ -111,6 +111,17 @@ def test_chat_greedy_matches_transformers_and_streams_the_same_text(client, toke
     assert "switchyard" in chunks[-1].model_extra and chunks[-1].usage is None
 
 
+def test_content_parts_are_joined_like_vllm(client, tokenizer):
+    parts = [{"type": "text", "text": "First part."}, {"type": "text", "text": "Second part."}]
+    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": parts}],
+                                          max_tokens=1)
+    joined = [{"role": "user", "content": "First part.\nSecond part."}]
+    assert resp.usage.prompt_tokens == len(tokenizer.encode_chat(joined))
+    with pytest.raises(openai.BadRequestError):  # images are not text: refused, not silently dropped
+        client.chat.completions.create(model=MODEL, max_tokens=1, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
+
+
 def test_completion_prompt_forms(client, tokenizer, hf_model):
     text_prompt = "The quick brown fox"
     ids = tokenizer.encode(text_prompt)
