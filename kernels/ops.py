@@ -11,7 +11,6 @@ Layouts: see kernels/reference.py (KV cache [num_blocks, block_size, num_kv_head
 
 from __future__ import annotations
 
-import functools
 import os
 from types import ModuleType
 
@@ -29,12 +28,33 @@ def backend_mode() -> str:
     return mode
 
 
-@functools.cache
+_loaded: dict[str, object] = {}  # "module": kernels.triton_ops or None, "interpret": mode it was built in
+
+
+def _interpret_env() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def _triton_module() -> ModuleType | None:
+    """kernels.triton_ops, imported on first use (never on a CPU-only run in auto mode)."""
+    interpret = _interpret_env()
+    if _loaded and _loaded["interpret"] == interpret:
+        return _loaded["module"]  # type: ignore[return-value]
     try:
-        from kernels import triton_ops
+        from triton.runtime.interpreter import InterpretedFunction
+
+        from kernels import triton_ops, triton_pointwise
     except ImportError:  # no triton on this platform
-        return None
+        triton_ops = None
+    else:
+        # Triton fixes compiled-vs-interpreted when `triton` (its own @jit library functions included)
+        # is imported; flipping TRITON_INTERPRET afterwards cannot take effect in this process.
+        if isinstance(triton_pointwise._rms_norm_kernel, InterpretedFunction) != interpret:
+            raise RuntimeError(
+                f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r} was changed after triton was "
+                "imported; set it before anything imports triton (or run in a fresh process)"
+            )
+    _loaded.update(module=triton_ops, interpret=interpret)
     return triton_ops
 
 
@@ -45,6 +65,8 @@ def _use_triton(t: torch.Tensor) -> bool:
     if mode == "triton":
         if _triton_module() is None:
             raise RuntimeError("SWITCHYARD_KERNELS=triton but triton is not importable")
+        if not t.is_cuda and not _interpret_env():
+            raise RuntimeError("SWITCHYARD_KERNELS=triton with CPU tensors needs TRITON_INTERPRET=1")
         return True
     return t.is_cuda and _triton_module() is not None
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.kernels.conftest import KERNEL_TEST_DEVICE
+from tests.kernels.conftest import KERNEL_TEST_DEVICE, TRITON_ALREADY_COMPILED_MODE
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,3 +45,12 @@ def test_kernels_compile_for_hopper():
     assert "sm_90: compiled" in proc.stdout
     for kernel in ("decode", "prefill", "int8_linear", "int4_linear", "rms_norm"):
         assert kernel in proc.stdout
+
+
+@pytest.mark.skipif(not TRITON_ALREADY_COMPILED_MODE, reason="the Triton kernel tests ran in this process")
+def test_triton_kernel_tests_in_a_fresh_process():
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "tests/kernels/test_kernel_triton.py", "-q", "-p", "no:cacheprovider"],
+        check=False, cwd=ROOT, capture_output=True, text=True, timeout=600, env=_env(),
+    )
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
