@@ -392,7 +392,7 @@ def train(cfg: TrainConfig, work_dir: Path, out_dir: Path | None = None, resume:
         torch.set_rng_state(ckpt["torch_rng"])
         step, tokens_seen, seconds = ckpt["step"], ckpt["tokens_seen"], ckpt["train_seconds"]
         history = [r for r in ckpt["history"] if r["step"] <= step]
-        recent = list(ckpt["recent_losses"])  # losses since the last log row, so its mean is exact
+        recent = list(ckpt.get("recent_losses", []))  # losses since the last log row: its mean stays exact
         log(f"resumed at step {step} ({tokens_seen:,} tokens, {seconds / 60:.1f} min trained)")
 
     def snapshot() -> dict[str, Any]:
