@@ -54,8 +54,8 @@ def make_paged_kv(
         ks = [k_cache[ids[p // block_size], p % block_size] for p in range(n)]
         vs = [v_cache[ids[p // block_size], p % block_size] for p in range(n)]
         empty = torch.empty(0, num_kv_heads, head_dim, dtype=dtype)
-        dense_k.append(torch.stack(ks) if ks else empty)
-        dense_v.append(torch.stack(vs) if vs else empty)
+        dense_k.append(torch.stack(ks).cpu() if ks else empty)
+        dense_v.append(torch.stack(vs).cpu() if vs else empty)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     return PagedKV(k_cache, v_cache, tables, lens, dense_k, dense_v)
 

@@ -191,11 +191,14 @@ def test_store_kv(dtype):
 # --------------------------------------------------------------------------- RMSNorm / rotary
 
 
+RMS_HIDDEN = 1024
+
+
 def check_rms_norm(dtype, with_residual):
     gen = torch.Generator().manual_seed(1)
-    x = (torch.randn(5, 96, generator=gen) * 2).to(dtype)
-    res = torch.randn(5, 96, generator=gen).to(dtype)
-    w = torch.randn(96, generator=gen).to(dtype)
+    x = (torch.randn(5, RMS_HIDDEN, generator=gen) * 2).to(dtype)
+    res = torch.randn(5, RMS_HIDDEN, generator=gen).to(dtype)
+    w = torch.randn(RMS_HIDDEN, generator=gen).to(dtype)
     if with_residual:
         got_out, got_res = tk.rms_norm(*_to_dev(x, w), 1e-5, residual=res.to(DEV))
         want_out, want_res = reference.rms_norm(x, w, 1e-5, residual=res)
@@ -305,6 +308,30 @@ def test_non_upcasting_kernels_fail_the_bf16_checks(case, monkeypatch):
     monkeypatch.setattr(triton_common, "UPCAST", False)
     with pytest.raises(AssertionError):
         NO_UPCAST_CASES[case]()
+
+
+def test_bf16_tolerance_rejects_bf16_accumulation():
+    # On a GPU a kernel that accumulated in bf16 would compute "correctly" but imprecisely; the bf16
+    # tolerance above is tight enough to reject that too. Emulate bf16 accumulation for the int8 GEMV
+    # (K=192) and the RMSNorm sum of squares (H=1024) on the same data as the tests, and show it fails.
+    gen = torch.Generator().manual_seed(1)
+    w_q, scales = reference.quantize_int8(torch.randn(72, 192, generator=gen) * 0.05)
+    x = torch.randn(1, 192, generator=gen).to(torch.bfloat16)
+    acc = torch.zeros(72, dtype=torch.bfloat16)
+    for k in range(192):
+        acc = acc + x[0, k] * w_q[:, k].to(torch.bfloat16)
+    emulated = (acc.float() * scales).to(torch.bfloat16)[None]
+    with pytest.raises(AssertionError):
+        _close(emulated, reference.int8_linear(x, w_q, scales), torch.bfloat16)
+
+    x = (torch.randn(5, RMS_HIDDEN, generator=gen) * 2).to(torch.bfloat16)
+    w = torch.randn(RMS_HIDDEN, generator=gen).to(torch.bfloat16)
+    acc = torch.zeros(5, dtype=torch.bfloat16)
+    for k in range(RMS_HIDDEN):
+        acc = acc + x[:, k] * x[:, k]
+    emulated = w * (x * torch.rsqrt(acc / RMS_HIDDEN + 1e-5)[:, None])
+    with pytest.raises(AssertionError):
+        _close(emulated, reference.rms_norm(x, w, 1e-5), torch.bfloat16)
 
 
 # --------------------------------------------------------------------------- dispatch
