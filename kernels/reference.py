@@ -105,7 +105,7 @@ def paged_prefill_attention(
     """Packed new tokens q [Tq, Hq, D]; token i of seq b sits at absolute position
     context_lens[b] - q_len_b + i and attends causally to every position <= its own."""
     block_size = k_cache.shape[1]
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous whatever q's strides
     cu = cu_seqlens_q.tolist()
     lens = context_lens.tolist()
     tables = block_tables.to(torch.int64)

@@ -159,7 +159,7 @@ def paged_decode_attention(
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous whatever q's strides
     if batch == 0:
         return out
     if q.stride(-1) != 1:
@@ -313,7 +313,7 @@ def paged_prefill_attention(
     total_q, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = cu_seqlens_q.shape[0] - 1
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous whatever q's strides
     if total_q == 0 or num_seqs == 0:
         return out
     if q.stride(-1) != 1:
