@@ -256,7 +256,7 @@ def check_int8(dtype, rows, with_bias=True):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 3, 37])  # GEMV path (<= 4 rows) and the tiled path
+@pytest.mark.parametrize("rows", [1, 3, 37, 130])  # GEMV path (<= 4 rows), tiled 64- and 128-row tiles
 def test_int8_linear(dtype, rows):
     check_int8(dtype, rows, with_bias=rows != 3)
 
@@ -284,6 +284,10 @@ def test_int4_linear(group_size, symmetric, rows):
 def test_int4_linear_other_dtypes(dtype):
     check_int4(dtype, 1, 64, False)
     check_int4(dtype, 9, 32, True)
+
+
+def test_int4_linear_many_rows():
+    check_int4(torch.bfloat16, 130, 128, False)
 
 
 # --------------------------------------------------------------------------- bf16 upcast guard
