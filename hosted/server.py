@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -265,7 +266,7 @@ class _Generation:
     """Runs every sequence of one request as tasks and merges their events into one queue."""
 
     def __init__(self, state: ServerState, engine: AsyncEngine, tokenizer: Tokenizer, plan: _Plan,
-                 admission: Admission) -> None:
+                 admission: Admission, t_arrival: float) -> None:
         self.state = state
         self.engine = engine
         self.plan = plan
@@ -287,7 +288,7 @@ class _Generation:
         self.events: asyncio.Queue[_Event | BaseException | None] = asyncio.Queue()
         self.tasks: list[asyncio.Task] = []
         self.outcome: str | None = None  # "success" | "error" | "aborted" once the response is decided
-        self.t_start = time.monotonic()
+        self.t_start = t_arrival
         self.t_first_token: float | None = None
 
     def start(self) -> None:
@@ -323,9 +324,7 @@ class _Generation:
                         self.events.put_nowait(event)
                     if choice.finish_reason is not None:
                         break
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:  # noqa: BLE001 - reported to the request's consumer
+        except Exception as exc:  # noqa: BLE001 - reported to the request's consumer
             self.events.put_nowait(exc)
         finally:
             if opens is not None:
@@ -408,10 +407,7 @@ class _Generation:
 
 
 def _replace_seed(params: SamplingParams, seed: int) -> SamplingParams:
-    return SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
-                          top_k=params.top_k, seed=seed, presence_penalty=params.presence_penalty,
-                          frequency_penalty=params.frequency_penalty, stop_token_ids=list(params.stop_token_ids),
-                          ignore_eos=params.ignore_eos, logprobs=params.logprobs, top_logprobs=params.top_logprobs)
+    return dataclasses.replace(params, seed=seed, stop_token_ids=list(params.stop_token_ids))
 
 
 # ---------------------------------------------------------------------------------------------- formatting
@@ -583,6 +579,7 @@ def build_app(state: ServerState, loader: Callable[[], tuple[AsyncEngine, Tokeni
         return await _serve(request, "completion")
 
     async def _serve(request: Request, kind: str) -> Response:
+        t_arrival = time.monotonic()
         try:
             engine, tokenizer = state.ready()
             try:
@@ -604,7 +601,7 @@ def build_app(state: ServerState, loader: Callable[[], tuple[AsyncEngine, Tokeni
             state.metrics.observe_request(_status_label(err.status))
             return _error_response(err)
 
-        gen = _Generation(state, engine, tokenizer, plan, admission)
+        gen = _Generation(state, engine, tokenizer, plan, admission, t_arrival)
         if plan.stream:
             return _EventStream(_stream(gen), on_end=lambda: _end_stream(gen))
         return await _complete(request, gen)
