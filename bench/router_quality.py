@@ -100,20 +100,6 @@ class Methods:
 
         return run
 
-    def gain3(self, tr: np.ndarray, te: np.ndarray) -> np.ndarray:
-        """Label alternative: 3 classes (strong better / same / weak better), score = P(+) - P(-)."""
-        from sklearn.linear_model import LogisticRegression
-
-        gain = self.ds.strong.astype(int) - self.ds.weak.astype(int)
-        blocks = (0, 1, 2)
-        ftr, fte = self.sub(tr, blocks, True), self.sub(te, blocks, True)
-        idf = inverse_document_frequency(ftr.blocks, self.cfg.n_bits)
-        sc = DenseScaler.fit(ftr.dense)
-        clf = LogisticRegression(max_iter=1000).fit(design_matrix(ftr, self.cfg, idf, sc), gain[tr])
-        p = clf.predict_proba(design_matrix(fte, self.cfg, idf, sc))
-        cls = list(clf.classes_)
-        return p[:, cls.index(1)] - (p[:, cls.index(-1)] if -1 in cls else 0.0)
-
     def product(self, tr: np.ndarray, te: np.ndarray, tc: TrainConfig | None = None) -> np.ndarray:
         """The shipped path end to end: fit_featurized, then DifficultyModel.score per request."""
         model = fit_featurized(Featurized([self.f.blocks[i] for i in tr], self.f.dense[tr]),
@@ -137,9 +123,7 @@ def mmlu_methods(m: Methods, quick: bool) -> dict[str, Scorer]:
             "ours: words+chars": m.ablation((0, 1, 2), False),
             "ours: label weak_wrong": m.ablation((0, 1, 2), True, "weak_wrong"),
             "ours: label skip_both_wrong": m.ablation((0, 1, 2), True, "skip_both_wrong"),
-            "ours: 3-class gain": m.gain3,
             "ours: C=0.3": m.ablation((0, 1, 2), True, C=0.3),
-            "ours: C=3": m.ablation((0, 1, 2), True, C=3.0),
         })
     return out
 

@@ -48,8 +48,8 @@ class FeatureConfig:
     char_ngrams: tuple[int, ...] = (3, 4, 5)
     context_words: bool = True        # word unigrams of earlier turns / system prompt, own namespace
     fold_digits: bool = True          # every digit becomes 0: numbers' shape matters, not their value
-    head_chars: int = 2000            # n-grams see at most the first head_chars …
-    tail_chars: int = 500             # … and the last tail_chars of the query
+    head_chars: int = 1200            # n-grams see at most the first head_chars …
+    tail_chars: int = 300             # … and the last tail_chars of the query
     dense: bool = True                # structure counts (see DENSE_NAMES)
     use_idf: bool = True
 
@@ -194,7 +194,7 @@ for _c in _MATH_SYMBOLS:
 _BYTE_CLASS[128:] = 5
 
 
-def dense_features(conv: Conversation, max_chars: int = 2000) -> np.ndarray:
+def dense_features(conv: Conversation, max_chars: int = 1000) -> np.ndarray:
     """Structure counts of the query (ratios from its first max_chars) and of the conversation."""
     q = conv.query
     t = q[:max_chars]
