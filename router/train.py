@@ -172,6 +172,8 @@ def train_default_model(path: str | Path) -> DifficultyModel:
     weak = np.concatenate([p.weak for p in parts])
     strong = np.concatenate([p.strong for p in parts])
     model = fit(requests, weak, strong, meta={"trained_from": "router/data seed set"})
+    # "More likely than not" for a probability; calibrate on your own traffic for a cost target.
+    model.default_threshold = 0.5
     model.save(path)
     return model
 

@@ -117,7 +117,7 @@ def test_default_model_trains_from_seed_set_and_ranks_sensibly(tmp_path: Path, m
     assert path.parent == tmp_path / "router" and not path.exists()
     model = load_default_model()
     assert path.is_file() and model.version == hashlib.sha256(path.read_bytes()).hexdigest()[:16]
-    assert model.meta["trained_from"] == "router/data seed set"
+    assert model.meta["trained_from"] == "router/data seed set" and model.default_threshold == 0.5
     greeting = model.score([{"role": "user", "content": "hi there!"}])
     maths = model.score("Let p be a prime. Prove that the multiplicative group of integers modulo p is cyclic, "
                         "and find the number of generators.")
