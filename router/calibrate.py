@@ -132,10 +132,10 @@ def write_route(policy_path: str | Path, route: str, threshold: float, model_pat
             raise CalibrationError(f"{path}: routes.{route}.{key} is not a plain value; edit it by hand")
     if missing:
         last_end = node.value[-1][1].end_mark
-        # Insert after the line holding the end of the route's last value (a value that ends at
-        # column 0 already ended on the line before).
+        # Insert on the line after the route's last value. A block collection "ends" where the
+        # next token starts (maybe indented on a later line): then insert before that line.
         line_start = last_end.index - last_end.column
-        if last_end.column == 0:
+        if not text[line_start:last_end.index].strip():
             pos = line_start
         else:
             nl = text.find("\n", last_end.index)
