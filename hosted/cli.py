@@ -22,6 +22,11 @@ def _add_serve(esub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output (default: the model's max_position_embeddings)")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                   help="weight-only quantization of the decoder linears at load time (embedding and lm_head "
+                        "stay in --dtype): int8 per output channel, int4 group-wise with zero points")
+    p.add_argument("--quantization-group-size", type=int, default=128, choices=[32, 64, 128],
+                   help="int4: input features per scale/zero group; must divide every layer's input size")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--log-level", default="info")
 

@@ -14,6 +14,10 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "mistral",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# Weight-only quantization applied at load time (hosted/layers/linear.py); the int4 group sizes the
+# kernels support (kernels.reference.INT4_GROUP_SIZES, kept here so this module needs no torch).
+QUANTIZATION_SCHEMES = ("int8", "int4")
+INT4_GROUP_SIZES = (32, 64, 128)
 
 
 class ConfigError(ValueError):
@@ -189,6 +193,11 @@ class EngineConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # default: config.max_position_embeddings (capped by sliding_window)
+    # Weight-only quantization of every decoder-layer linear (not the embedding or lm_head): None keeps the
+    # weights in `dtype`; "int8" = symmetric per output channel; "int4" = asymmetric (zero points), groups
+    # of `quantization_group_size` input features. Activations and the KV cache stay in `dtype`.
+    quantization: str | None = None
+    quantization_group_size: int = 128  # int4 only; must divide every quantized layer's in_features
 
     def validate(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -202,3 +211,9 @@ class EngineConfig:
             raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_SCHEMES:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_SCHEMES)} (or None), "
+                             f"got {self.quantization!r}")
+        if self.quantization_group_size not in INT4_GROUP_SIZES:
+            raise ValueError(f"quantization_group_size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}, "
+                             f"got {self.quantization_group_size!r}")

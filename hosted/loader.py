@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 
 from hosted.config import ConfigError, ModelConfig
+from hosted.layers.linear import check_model_quantizable, quantize_model
 from hosted.models.llama import LlamaForCausalLM
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -62,13 +63,23 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     raise ConfigError(f"{str(path)!r}: no model.safetensors, model.safetensors.index.json or *.safetensors{hint}")
 
 
-def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype,
-               device: torch.device) -> LlamaForCausalLM:
+def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+               quantization: str | None = None, quantization_group_size: int = 128) -> LlamaForCausalLM:
+    """Build the model on `device` and fill it from the checkpoint. With `quantization` ("int8" | "int4"),
+    every decoder-layer linear is then quantized in place and its `dtype` weight freed (see
+    hosted/layers/linear.py); the embedding and lm_head stay in `dtype`."""
     files = safetensors_files(model_dir)  # fail on missing files before allocating anything
     with torch.device(device):
-        model = LlamaForCausalLM(cfg, dtype, device)
+        model = LlamaForCausalLM(cfg, dtype, device)  # torch.empty: pages are touched only when loaded
     model.eval()
+    if quantization is not None:
+        check_model_quantizable(model, quantization, quantization_group_size)  # before reading any weight
     load_weights(model, files)
+    if quantization is not None:
+        quantize_model(model, quantization, quantization_group_size)
+        if device.type == "cuda":
+            # Hand the freed full-precision weights back to the driver: the KV pool is sized from free memory.
+            torch.cuda.empty_cache()
     return model
 
 

@@ -38,7 +38,8 @@ class ModelRunner:
         if self.device.type == "cpu" and self.dtype == torch.float16:
             raise ValueError("float16 is not supported on CPU; use float32 or bfloat16")
         self.block_size = config.block_size
-        self.model = load_model(config.model_dir, model_config, self.dtype, self.device)
+        self.model = load_model(config.model_dir, model_config, self.dtype, self.device,
+                                config.quantization, config.quantization_group_size)
         self.cos_sin = ops.rotary_cos_sin(model_config.head_dim, max_model_len, model_config.rope_theta,
                                           model_config.rope_scaling, self.device)
         self.num_blocks = self._pool_blocks(max_model_len)

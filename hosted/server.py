@@ -725,7 +725,9 @@ def load_model(args: argparse.Namespace) -> tuple[AsyncEngine, Tokenizer]:
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           kv_cache_gb=args.kv_cache_gb, num_kv_blocks=getattr(args, "num_kv_blocks", None),
                           block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
-                          max_model_len=getattr(args, "max_model_len", None))
+                          max_model_len=getattr(args, "max_model_len", None),
+                          quantization=getattr(args, "quantization", None),
+                          quantization_group_size=getattr(args, "quantization_group_size", 128))
     engine = AsyncEngine(LLMEngine(config), max_waiting=args.max_waiting)
     return engine, tokenizer
 

@@ -1,14 +1,33 @@
-"""Dense linear layer holding weight [out, in] like HF, so a quantized variant can replace it later."""
+"""Linear layer holding weight [out, in] like HF, and its weight-only quantized forms (int8, int4).
+
+Quantization lives only here: `quantize_model` converts every Linear of a loaded model (except the ones
+named in `skip`, by default the lm_head) in place; the forward then calls kernels.ops.int8_linear /
+int4_linear, which dispatch CUDA tensors to Triton and everything else to the torch reference.
+"""
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hosted.config import INT4_GROUP_SIZES, QUANTIZATION_SCHEMES, ConfigError
+from kernels import ops
+
+log = logging.getLogger(__name__)
+
 
 class Linear(nn.Module):
     """y = x @ W.T + b. Several HF projections may be merged into one (qkv, gate_up): `shard_sizes`
-    lists the output rows of each part, in order, so the loader can fill them one by one."""
+    lists the output rows of each part, in order, so the loader can fill them one by one.
+
+    After `quantize_(scheme)` the full-precision `weight` parameter is gone (its memory freed) and the
+    layer holds, as non-trainable parameters (so parameter byte counts stay truthful):
+      int8: qweight int8 [out, in], scales fp32 [out]                 (w = q * scale, per output row)
+      int4: qweight uint8 [out, in/2], scales and zeros fp32 [out, in/g] (w = (nibble - zero) * scale)
+    Quantization is per output row, so merged projections quantize exactly as their parts would.
+    """
 
     def __init__(self, in_features: int, out_features: int | list[int], bias: bool,
                  dtype: torch.dtype, device: torch.device) -> None:
@@ -16,6 +35,8 @@ class Linear(nn.Module):
         self.shard_sizes = list(out_features) if isinstance(out_features, list) else [out_features]
         self.in_features = in_features
         self.out_features = sum(self.shard_sizes)
+        self.quantization: str | None = None
+        self.group_size = 0  # int4 only
         self.weight = nn.Parameter(torch.empty(self.out_features, in_features, dtype=dtype, device=device),
                                    requires_grad=False)
         self.bias = (nn.Parameter(torch.empty(self.out_features, dtype=dtype, device=device), requires_grad=False)
@@ -25,5 +46,82 @@ class Linear(nn.Module):
         start = sum(self.shard_sizes[:shard])
         return start, start + self.shard_sizes[shard]
 
+    def quantize_(self, scheme: str, group_size: int = 128) -> None:
+        """Replace the full-precision weight by its quantized form, in place (the weight is freed)."""
+        check_quantizable(self.in_features, scheme, group_size)
+        if self.quantization is not None:
+            raise RuntimeError(f"layer is already quantized ({self.quantization})")
+        w = self.weight.detach()
+        del self.weight  # drop the parameter so `w` is the last reference
+        if scheme == "int8":
+            q, scales = ops.quantize_int8(w)
+            zeros = None
+        else:
+            q, scales, zeros = ops.quantize_int4(w, group_size, symmetric=False)
+            self.group_size = group_size
+        del w
+        self.qweight = nn.Parameter(q, requires_grad=False)
+        self.scales = nn.Parameter(scales, requires_grad=False)
+        self.zeros = nn.Parameter(zeros, requires_grad=False) if zeros is not None else None
+        self.quantization = scheme
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if self.quantization is None:
+            return F.linear(x, self.weight, self.bias)
+        x2 = x.reshape(-1, self.in_features)
+        if self.quantization == "int8":
+            out = ops.int8_linear(x2, self.qweight, self.scales, self.bias)
+        else:
+            out = ops.int4_linear(x2, self.qweight, self.scales, self.zeros, self.group_size, self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        q = f", quantization={self.quantization}" if self.quantization else ""
+        g = f", group_size={self.group_size}" if self.quantization == "int4" else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}{q}{g}"
+
+
+def check_quantizable(in_features: int, scheme: str, group_size: int, name: str = "layer") -> None:
+    """ConfigError (a ValueError) naming the problem and a fix if `scheme` cannot apply to this layer."""
+    if scheme not in QUANTIZATION_SCHEMES:
+        raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATION_SCHEMES)}, got {scheme!r}")
+    if scheme == "int4":
+        if group_size not in INT4_GROUP_SIZES:
+            raise ConfigError(f"int4 group size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}, "
+                              f"got {group_size!r}")
+        if in_features % group_size:
+            fits = [g for g in INT4_GROUP_SIZES if in_features % g == 0]
+            hint = (f"use a group size that divides it ({', '.join(map(str, fits))})" if fits
+                    else "this model cannot be int4-quantized; use int8")
+            raise ConfigError(f"int4 quantization with group size {group_size}: {name} has in_features="
+                              f"{in_features}, not a multiple of {group_size}; {hint}")
+
+
+def quantizable_linears(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> list[tuple[str, Linear]]:
+    """The (name, layer) pairs `quantize_model` converts: every Linear except those named in `skip`.
+    The embedding is an nn.Embedding (a lookup, not a matmul) and is never quantized."""
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, Linear) and name.rpartition(".")[2] not in skip]
+
+
+def check_model_quantizable(model: nn.Module, scheme: str, group_size: int,
+                            skip: tuple[str, ...] = ("lm_head",)) -> None:
+    """Fail before any weight is loaded if some layer cannot take the scheme (e.g. group size vs in_features)."""
+    check_quantizable(0, scheme, group_size)  # the scheme and group size themselves
+    for name, layer in quantizable_linears(model, skip):
+        check_quantizable(layer.in_features, scheme, group_size, name)
+
+
+def quantize_model(model: nn.Module, scheme: str, group_size: int = 128,
+                   skip: tuple[str, ...] = ("lm_head",)) -> dict[str, int]:
+    """Quantize every Linear except `skip` in place, one layer at a time (peak memory: the loaded model
+    plus one layer's temporaries). Returns weight bytes of the converted layers before and after."""
+    check_model_quantizable(model, scheme, group_size, skip)
+    before = after = 0
+    for _, layer in quantizable_linears(model, skip):
+        before += layer.weight.numel() * layer.weight.element_size()
+        layer.quantize_(scheme, group_size)
+        after += sum(t.numel() * t.element_size() for t in (layer.qweight, layer.scales, layer.zeros)
+                     if t is not None)
+    log.info("quantized linear weights to %s: %.1f MiB -> %.1f MiB", scheme, before / (1 << 20), after / (1 << 20))
+    return {"bytes_before": before, "bytes_after": after}
