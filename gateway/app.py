@@ -1,6 +1,7 @@
 """The Starlette application: routes, and the lifespan that owns every long-lived part."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -16,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway import db, errors, metrics, proxy
+from gateway import db, errors, metrics, pricing, proxy
 from gateway.auth import Authenticator
 from gateway.backend_pool import BackendPool
 from gateway.backends.resilience import BreakerRegistry
@@ -68,6 +69,8 @@ async def _spent_by_key(engine: AsyncEngine, key_id: str) -> float:
 async def _lifespan(app: Starlette):
     config: GatewayConfig = app.state.config
     config.data_dir.mkdir(parents=True, exist_ok=True)
+    # The price map loads with litellm (seconds): do it now, never on a request's first accounting.
+    await asyncio.to_thread(pricing.price_table_version)
     db_engine = db.create_engine(config.database_url)
     writer = LedgerWriter(config.database_url, config.data_dir / "ledger-spool.jsonl")
     await writer.start()
@@ -90,9 +93,11 @@ async def _lifespan(app: Starlette):
             if not ok:
                 log.error("embedded engine %s is not healthy yet; its routes use fallbacks until it is", name)
     app.state.gw = gw
+    lag_watcher = asyncio.create_task(metrics.watch_loop_lag())
     try:
         yield
     finally:
+        lag_watcher.cancel()
         # uvicorn has stopped accepting and drained in-flight requests: flush everything they logged.
         await policy_store.stop()
         await pool.aclose()

@@ -18,3 +18,16 @@ BREAKER_STATE = Gauge("switchyard_backend_circuit_state", "Circuit breaker: 0 cl
                       ["backend"])
 POLICY_INFO = Gauge("switchyard_policy_version_info", "The live policy version (value 1)", ["version"])
 ENGINE_RESTARTS = Counter("switchyard_embedded_engine_restarts_total", "Embedded engine restarts", ["backend"])
+LOOP_LAG = Histogram("switchyard_event_loop_lag_seconds", "How late the event loop wakes a 0.25 s timer "
+                     "(anything blocking the request path shows here)",
+                     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5))
+
+
+async def watch_loop_lag(interval_s: float = 0.25) -> None:
+    import asyncio
+    import time
+
+    while True:
+        start = time.perf_counter()
+        await asyncio.sleep(interval_s)
+        LOOP_LAG.observe(max(0.0, time.perf_counter() - start - interval_s))

@@ -73,6 +73,11 @@ async def handle(gw: Gateway, request: Request, endpoint: str) -> Response:
         return await _stream(gw, request, call)  # IN_FLIGHT is decremented when the stream ends
     try:
         return await _complete(gw, request, call)
+    except Exception:  # a bug must not leak the budget reservation or lose the ledger row
+        log.exception("internal error serving %s", request_id)
+        _finish(gw, call, None, None, status="error", error_type="internal", http_status=500)
+        return _with_id(errors.APIError(500, "Internal gateway error; see the gateway log.", type="api_error",
+                                        code="internal_error").response(), request_id)
     finally:
         metrics.IN_FLIGHT.dec()
 
@@ -155,55 +160,87 @@ async def _stream(gw: Gateway, request: Request, call: Call) -> Response:
                 http_status=api_error.status)
         return _with_id(api_error.response(), call.record.request_id)
     call.record.attempts = attempts
-    response = StreamingResponse(_relay(gw, call, backend, chunks), media_type="text/event-stream",
-                                 headers={"cache-control": "no-cache", "x-switchyard-backend": backend.name})
+    relay = _Relay(gw, call, backend, chunks)
+    response = _RelayResponse(relay, headers={"cache-control": "no-cache", "x-switchyard-backend": backend.name})
     return _with_id(response, call.record.request_id)
 
 
-async def _relay(gw: Gateway, call: Call, backend, chunks: AsyncIterator[dict]) -> AsyncIterator[bytes]:
-    """Relay upstream chunks as SSE; account for exactly what was produced, however the stream ends."""
-    wants_usage = admission.wants_usage_chunk(call.body)
-    final = Completion(body={}, usage=Usage())
-    saw_usage = False
-    status, error_type = "client_closed", "client_closed"  # until the stream ends normally
-    try:
-        async for chunk in chunks:
-            if call.record.ttft_ms is None:
-                call.record.ttft_ms = (time.perf_counter() - call.started) * 1000
-            extension = chunk.pop("switchyard", None)
-            if extension:
-                final.device_seconds = extension.get("device_seconds")
-                final.utilisation = extension.get("utilisation")
-            usage = usage_from_chunk(chunk)
-            if usage is not None:
-                final.usage, saw_usage = usage, True
-                if not wants_usage:
-                    chunk.pop("usage", None)
-                    if not chunk.get("choices"):
-                        continue
-            text = _chunk_text(chunk)
-            if text:
-                call.chunks_with_content += 1
-                if call.route.log_prompts:
-                    call.completion_parts.append(text)
-            if chunk.get("model") and not call.record.served_model:
-                call.record.served_model = chunk["model"]
-            yield b"data: " + orjson.dumps(chunk) + b"\n\n"
-        yield b"data: [DONE]\n\n"
-        status, error_type = "ok", None
-    except UpstreamError as exc:
-        status, error_type = "error", f"upstream_{exc.kind}"
-        # Headers are gone; tell the client in-band, the way OpenAI's streams do.
-        yield b"data: " + orjson.dumps(_upstream_to_api_error(exc).body()) + b"\n\n"
-    finally:
+class _RelayResponse(StreamingResponse):
+    """An SSE response that always finalises its relay: after a normal end, a send to a client that has
+    gone away (ASGI 2.4 servers raise instead of reporting a disconnect), or a body that never started."""
+
+    def __init__(self, relay: _Relay, headers: dict[str, str]) -> None:
+        super().__init__(relay.body(), media_type="text/event-stream", headers=headers)
+        self.relay = relay
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()  # runs the body's own cleanup if it was suspended
+                await self.relay.finish()  # and covers a body that never started
+
+
+class _Relay:
+    """Relays upstream chunks as SSE and accounts for exactly what was produced, however the stream ends."""
+
+    def __init__(self, gw: Gateway, call: Call, backend, chunks: AsyncIterator[dict]) -> None:
+        self.gw, self.call, self.backend, self.chunks = gw, call, backend, chunks
+        self.final = Completion(body={}, usage=Usage())
+        self.saw_usage = False
+        self.status, self.error_type = "client_closed", "client_closed"  # until the stream ends normally
+        self.finished = False
+
+    async def body(self) -> AsyncIterator[bytes]:
+        call, final = self.call, self.final
+        wants_usage = admission.wants_usage_chunk(call.body)
+        try:
+            async for chunk in self.chunks:
+                if call.record.ttft_ms is None:
+                    call.record.ttft_ms = (time.perf_counter() - call.started) * 1000
+                extension = chunk.pop("switchyard", None)
+                if extension:
+                    final.device_seconds = extension.get("device_seconds")
+                    final.utilisation = extension.get("utilisation")
+                usage = usage_from_chunk(chunk)
+                if usage is not None:
+                    final.usage, self.saw_usage = usage, True
+                    if not wants_usage:
+                        chunk.pop("usage", None)
+                        if not chunk.get("choices"):
+                            continue
+                text = _chunk_text(chunk)
+                if text:
+                    call.chunks_with_content += 1
+                    if call.route.log_prompts:
+                        call.completion_parts.append(text)
+                if chunk.get("model") and not call.record.served_model:
+                    call.record.served_model = chunk["model"]
+                yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+            yield b"data: [DONE]\n\n"
+            self.status, self.error_type = "ok", None
+        except UpstreamError as exc:
+            self.status, self.error_type = "error", f"upstream_{exc.kind}"
+            # Headers are gone; tell the client in-band, the way OpenAI's streams do.
+            yield b"data: " + orjson.dumps(_upstream_to_api_error(exc).body()) + b"\n\n"
+        finally:
+            await self.finish()
+
+    async def finish(self) -> None:
+        """Close the upstream and write the ledger row, once."""
+        if self.finished:
+            return
+        self.finished = True
+        call, final = self.call, self.final
         with anyio.CancelScope(shield=True):
-            await _close(chunks)
-        if not saw_usage:  # cut short: count what was actually streamed
+            await _close(self.chunks)
+        if not self.saw_usage:  # cut short: count what was actually streamed
             final.usage = Usage(prompt_tokens=admission.estimate_prompt_tokens(call.body, call.endpoint),
                                 completion_tokens=call.chunks_with_content)
-        if status == "client_closed" and final.device_seconds is None:
-            final.device_seconds = gw.pool.estimate_device_seconds(backend.name, final.usage)
-        _finish(gw, call, backend.spec, final, status=status, error_type=error_type)
+        if self.status == "client_closed" and final.device_seconds is None:
+            final.device_seconds = self.gw.pool.estimate_device_seconds(self.backend.name, final.usage)
+        _finish(self.gw, call, self.backend.spec, final, status=self.status, error_type=self.error_type)
         metrics.IN_FLIGHT.dec()
 
 

@@ -92,3 +92,33 @@ def test_policy_edits_hot_reload_and_bad_edits_are_rejected(gateway, standin):
     gateway.call(gateway.gw.writer.flush)
     [row] = ledger_rows(gateway.config.database_url)
     assert row["policy_version"] == good_version
+
+
+def test_client_gone_right_after_headers_is_still_accounted_and_cancelled(gateway, standin):
+    import json
+    import socket
+    from urllib.parse import urlsplit
+
+    standin_control(standin, token_delay_ms=50)
+    url = urlsplit(gateway.base_url)
+    body = json.dumps({"model": "local", "messages": [{"role": "user", "content": "x"}], "max_tokens": 100,
+                       "stream": True}).encode()
+    with socket.create_connection((url.hostname, url.port)) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Authorization: Bearer {MASTER_KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += sock.recv(1)
+        assert head.startswith(b"HTTP/1.1 200")
+    wait_for(lambda: standin_stats(standin)["disconnects"] >= 1)
+    gateway.call(gateway.gw.writer.flush)
+    wait_for(lambda: len(ledger_rows(gateway.config.database_url)) == 1)
+    [row] = ledger_rows(gateway.config.database_url)
+    assert row["status"] == "client_closed" and row["completion_tokens"] < 100
+    assert gateway.call(_in_flight) == 0
+
+
+async def _in_flight() -> float:
+    from gateway import metrics
+
+    return metrics.IN_FLIGHT._value.get()
