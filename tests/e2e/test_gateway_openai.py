@@ -42,6 +42,10 @@ routes:
     backend: dead
     fallbacks: [eng]
     counterfactual: api
+  audited:
+    strategy: fixed
+    backend: eng
+    log_prompts: true
 """
 
 
@@ -134,7 +138,7 @@ def test_completions_endpoint(gateway):
 
 def test_models_lists_policy_routes(gateway):
     models = client(gateway).models.list()
-    assert sorted(m.id for m in models.data) == ["failover", "gpt-4o-mini", "local"]
+    assert sorted(m.id for m in models.data) == ["audited", "failover", "gpt-4o-mini", "local"]
 
 
 def test_errors_use_openai_bodies_and_status_codes(gateway):
@@ -170,3 +174,23 @@ def test_upstream_failure_is_502_and_logged(gateway, standin):
     assert err.value.status_code == 502
     [row] = flushed_rows(gateway)
     assert row["status"] == "error"
+
+
+def test_prompt_and_completion_text_are_stored_only_when_the_route_opts_in(gateway):
+    import sqlalchemy as sa
+
+    from gateway import db
+
+    c = client(gateway)
+    c.chat.completions.create(model="local", messages=[{"role": "user", "content": "secret one"}], max_tokens=2)
+    c.chat.completions.create(model="audited", messages=[{"role": "user", "content": "secret two"}], max_tokens=2)
+    list(c.chat.completions.create(model="audited", messages=[{"role": "user", "content": "secret three"}],
+                                   max_tokens=3, stream=True))
+    gateway.call(gateway.gw.writer.flush)
+    engine = sa.create_engine(db.sync_url(gateway.config.database_url))
+    with engine.connect() as conn:
+        rows = conn.execute(sa.text("SELECT route, prompt_text, completion_text FROM requests ORDER BY id")).all()
+    engine.dispose()
+    assert rows[0] == ("local", None, None)
+    assert rows[1][1] == "secret two" and rows[1][2] == "tok0 tok1"
+    assert rows[2][1] == "secret three" and rows[2][2] == "tok0 tok1 tok2"
