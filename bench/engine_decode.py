@@ -198,7 +198,7 @@ def kv_bytes_per_position(engine) -> int:
 def _rates(step_seconds: list[float]) -> dict:
     mean = statistics.mean(step_seconds)
     return {"steps": len(step_seconds), "mean_ms": mean * 1e3, "median_ms": statistics.median(step_seconds) * 1e3,
-            "steps_per_s": 1 / mean}
+            "max_ms": max(step_seconds) * 1e3, "steps_per_s": 1 / mean}
 
 
 def _drain(engine, ids: list[str]) -> None:
@@ -280,7 +280,7 @@ def run_scheme(scheme: str, model_dir: Path, args, device: torch.device, peak: f
     if device.type == "cuda":
         result["gpu_allocated_bytes"] = torch.cuda.memory_allocated(device)  # weights + KV pool
         result["gpu_peak_load_bytes"] = torch.cuda.max_memory_allocated(device)
-    log(f"  {scheme}: loaded in {result['load_seconds']:.1f}s, parameters {result['param_bytes'] / 1e9:.3f} GB")
+    log(f"  {result['label']}: loaded in {result['load_seconds']:.1f}s, parameters {result['param_bytes'] / 1e9:.3f} GB")
     try:
         # Warm-up: compiles the prefill and decode kernels (and autotunes the GEMVs) outside the timings.
         t0 = time.perf_counter()
@@ -289,13 +289,21 @@ def run_scheme(scheme: str, model_dir: Path, args, device: torch.device, peak: f
         result["warmup_seconds"] = time.perf_counter() - t0
         for batch in args.batch_sizes:
             steps = args.steps_b1 if batch == 1 else args.steps_b64
+            if args.full_warmup:
+                # The same workload once untimed: Triton compiles a kernel variant the first time a launch
+                # parameter crosses a threshold (e.g. the split count as contexts grow); none may land in a
+                # timed step.
+                t0 = time.perf_counter()
+                measure_decode(engine, batch=batch, prompt_len=args.prompt_len, steps=steps, time_cap=args.time_cap,
+                               seed=100 + batch, weight_bytes=0, peak=None, copy_gbs=copy_gbs)
+                result[f"warmup_b{batch}_seconds"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             r = measure_decode(engine, batch=batch, prompt_len=args.prompt_len, steps=steps, time_cap=args.time_cap,
                                seed=100 + batch, weight_bytes=weight_bytes_per_step(model, batch), peak=peak,
                                copy_gbs=copy_gbs)
             r["wall_seconds"] = time.perf_counter() - t0
             result[f"b{batch}"] = r
-            log(f"  {scheme} batch {batch}: " + (r.get("error") or
+            log(f"  {result['label']} batch {batch}: " + (r.get("error") or
                 f"{r['tok_s']:.1f} tok/s, {r['mean_ms']:.2f} ms/step, {r['achieved_gb_s']:.0f} GB/s"
                 + (f", MBU {100 * r['mbu_peak']:.1f}% of peak" if r["mbu_peak"] else "")
                 + f", {100 * r['mbu_copy']:.1f}% of copy bw" + (" (time-capped)" if r["capped"] else "")))
@@ -356,8 +364,9 @@ def markdown(results: dict) -> str:
               f"{m['copy_gb_s']:.0f} GB/s; prompt {m['prompt_len']} tokens; int4 group {m['group_size']}; "
               f"status: {m['status']}"), ""]
     if m["cpu_smoke"]:
-        lines += ["CPU smoke run (tiny shape, torch reference kernels): exercises the code, the numbers mean nothing.",
-                  ""]
+        backends = sorted({r["kernel_backend"] for r in results["runs"].values() if "kernel_backend" in r})
+        lines += [(f"CPU smoke run (tiny shape, kernels: {', '.join(backends) or 'none run'}): exercises the code, "
+                  "the numbers mean nothing."), ""]
     lines += [(f"| weights | params GB | load s | b1 tok/s | b1 ms/tok | b1 GB/s | b1 MBU (spec) | b1 MBU (copy) | "
                f"{big} tok/s | b1 vs {dense} | {big} vs {dense} |"),
               "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -412,7 +421,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps-b1", type=int, default=None, help="timed batch-1 decode steps")
     p.add_argument("--steps-b64", type=int, default=None, help="timed decode steps at the large batch")
     p.add_argument("--batch-sizes", default="1,64")
-    p.add_argument("--warmup-steps", type=int, default=None)
+    p.add_argument("--warmup-steps", type=int, default=None, help="decode steps of the first, short warm-up")
+    p.add_argument("--full-warmup", action=argparse.BooleanOptionalAction, default=None,
+                   help="run each measured workload once untimed first (default: on for CUDA, off on CPU)")
     p.add_argument("--max-batched-tokens", type=int, default=2048)
     p.add_argument("--time-cap", type=float, default=None, help="seconds per measurement loop")
     p.add_argument("--budget", type=float, default=None, help="seconds for the whole run; later formats skipped")
@@ -437,6 +448,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.steps_b1 = args.steps_b1 or (6 if args.cpu_smoke else 32 if q else 128)
     args.steps_b64 = args.steps_b64 or (3 if args.cpu_smoke else 16 if q else 48)
     args.warmup_steps = args.warmup_steps or (2 if args.cpu_smoke else 4)
+    if args.full_warmup is None:
+        args.full_warmup = args.device.startswith("cuda")
     args.time_cap = args.time_cap or (20.0 if args.device == "cpu" else 45.0)
     args.budget = args.budget or (45.0 if args.cpu_smoke else 480.0)
     args.batch_sizes = sorted({int(b) for b in args.batch_sizes.split(",")})
@@ -482,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
                  "shape": args.shape, "model": shape, "dtype": args.dtype, "group_size": args.group_size,
                  "prompt_len": args.prompt_len, "steps_b1": args.steps_b1, "steps_b64": args.steps_b64,
                  "batch_sizes": args.batch_sizes, "time_cap_s": args.time_cap, "budget_s": args.budget,
-                 "peak_gb_s": peak / 1e9 if peak else None, "copy_gb_s": copy["gb_s"], "quick": args.quick,
+                 "peak_gb_s": peak / 1e9 if peak else None, "copy_gb_s": copy["gb_s"], "quick": args.quick, "full_warmup": args.full_warmup,
                  "cpu_smoke": args.cpu_smoke, "kernels_env": os.environ.get("SWITCHYARD_KERNELS", "auto"),
                  "started": time.strftime("%Y-%m-%d %H:%M:%S"), "status": "running"},
         "copy_bandwidth": copy, "runs": {}}
