@@ -240,8 +240,8 @@ def measure_decode(engine, *, batch: int, prompt_len: int, steps: int, time_cap:
                 kv_bytes.append(kv_pos * sum(lengths.values()))  # each attends to its length (incl. new token)
         for o in produced:
             lengths[o.request_id] += len(o.new_token_ids)
-        if any(o.finished for o in outs):
-            break  # a sequence hit max_model_len: not expected with the sizes chosen below
+        if any(o.finished for o in outs) or not engine.has_unfinished():
+            break  # a sequence hit max_model_len: not expected with the sizes run_scheme chooses
         if time.perf_counter() - t_start > time_cap:
             capped = True
             break
