@@ -11,6 +11,8 @@ slot = block_id * block_size + offset_in_block.
 from __future__ import annotations
 
 import math
+import threading
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -66,31 +68,177 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """One query token per sequence: q [B, Hq, D] attends to positions 0..context_lens[b]-1 -> [B, Hq, D].
 
-    One batched gather of the blocks in use and one SDPA call for the whole batch (GQA handled by SDPA);
-    shorter sequences are masked out up to the longest one."""
+    fp32 math. Sequences are grouped into buckets of similar length (see _decode_plan), so a batch is
+    not padded to its longest sequence; per bucket the K/V rows in use are gathered head-major into a
+    reused scratch buffer and each query-head group attends with two batched matmuls (GQA without
+    repeating K/V). The plan depends only on block_tables/context_lens, which every layer of a step
+    shares, so it is built once per step."""
     batch, num_q_heads, head_dim = q.shape
-    num_blocks, block_size, _, _ = k_cache.shape
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if batch == 0:
-        return torch.empty_like(q)
-    lens = context_lens.to(device=q.device, dtype=torch.int64)
-    max_len = int(lens.max())
-    if max_len <= 0:
-        return torch.zeros_like(q)
-    nblk = -(-max_len // block_size)
-    # Entries past a sequence's own blocks may hold anything: clamp them into range (they are masked).
-    table = block_tables[:, :nblk].to(torch.int64).clamp(0, num_blocks - 1)
-    length = nblk * block_size
-    k = _gather_kv(k_cache, table, length).transpose(1, 2)  # [B, Hkv, L, D] (a view)
-    v = _gather_kv(v_cache, table, length).transpose(1, 2)
-    if k.dtype != torch.float32:
-        k, v = k.float(), v.float()
-    visible = (torch.arange(length, device=q.device)[None, :] < lens[:, None])[:, None, None, :]
-    out = F.scaled_dot_product_attention(
-        q.float()[:, :, None, :], k, v, attn_mask=visible, scale=scale, enable_gqa=True
-    ).view(batch, num_q_heads, head_dim)
-    if bool((lens <= 0).any()):
-        out = out.masked_fill((lens <= 0)[:, None, None], 0.0)
-    return out.to(q.dtype)
+        return out
+    plan = _decode_plan(block_tables, context_lens, k_cache)
+    num_kv_heads = k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    if plan.zero_rows is not None:
+        out.index_fill_(0, plan.zero_rows, 0.0)
+    k_rows, v_rows = _cache_rows(k_cache), _cache_rows(v_cache)
+    qs = q.float() * scale
+    for chunk in plan.chunks:
+        n, length = chunk.num_seqs, chunk.length
+        k = _gather_rows(k_rows, k_cache, chunk.kv_rows, 0).view(n * num_kv_heads, length, head_dim)
+        v = _gather_rows(v_rows, v_cache, chunk.kv_rows, 1).view(n * num_kv_heads, length, head_dim)
+        qb = qs if chunk.rows is None else qs.index_select(0, chunk.rows)
+        scores = torch.bmm(qb.view(n * num_kv_heads, group, head_dim), k.transpose(1, 2))
+        if chunk.mask is not None:
+            scores.view(n, num_q_heads, length).add_(chunk.mask)
+        probs = torch.softmax(scores, dim=-1)
+        ob = torch.bmm(probs, v).view(n, num_q_heads, head_dim)
+        if chunk.rows is None:
+            out.copy_(ob)
+        else:
+            out.index_copy_(0, chunk.rows, ob.to(q.dtype))
+    return out
+
+
+@dataclass(slots=True, frozen=True)
+class _DecodeChunk:
+    rows: torch.Tensor | None  # int64 [n]: batch rows served; None = every row, in order
+    kv_rows: torch.Tensor  # int64 [n * Hkv * L]: cache row (slot * Hkv + kv head) per (seq, head, position)
+    num_seqs: int
+    length: int  # L: positions gathered per sequence (the chunk's longest context)
+    mask: torch.Tensor | None  # fp32 [n, 1, L], 0 or -inf; None when every sequence fills L
+
+
+@dataclass(slots=True, frozen=True)
+class _DecodePlan:
+    chunks: list[_DecodeChunk]
+    zero_rows: torch.Tensor | None  # rows with context_len <= 0: output zeros
+
+
+# Buckets: a new bucket costs about as much as this many gathered (token x kv-head-row) elements, so a
+# short sequence joins a longer one's bucket only while its padding is cheaper than a separate bucket.
+_BUCKET_OVERHEAD_ELEMS = 32_768
+# Gathered K (or V) elements per chunk: big enough to amortise per-call overhead, small enough that the
+# freshly gathered K/V are still in cache when the matmuls read them.
+_CHUNK_ELEMS = 1 << 19
+
+
+class _PlanCache(threading.local):
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.tables: torch.Tensor | None = None
+        self.lens: torch.Tensor | None = None
+        self.plan: _DecodePlan | None = None
+        self.scratch: dict[tuple, torch.Tensor] = {}
+
+
+_local = _PlanCache()
+
+
+def _decode_plan(block_tables: torch.Tensor, context_lens: torch.Tensor, k_cache: torch.Tensor) -> _DecodePlan:
+    """The plan for these block tables / lengths, reused while the same values come back (every layer of
+    one step passes the same ones). Compared by value: inference tensors carry no version counter."""
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    key = (num_blocks, block_size, num_kv_heads, head_dim, k_cache.device)
+    c = _local
+    if (c.key == key and c.tables is not None and c.tables.shape == block_tables.shape
+            and c.lens.shape == context_lens.shape and torch.equal(c.tables, block_tables)
+            and torch.equal(c.lens, context_lens)):
+        return c.plan
+    plan = _build_decode_plan(block_tables, context_lens, num_blocks, block_size, num_kv_heads, head_dim)
+    c.key, c.tables, c.lens, c.plan = key, block_tables.clone(), context_lens.clone(), plan
+    return plan
+
+
+def _build_decode_plan(block_tables, context_lens, num_blocks, block_size, num_kv_heads, head_dim) -> _DecodePlan:
+    device = block_tables.device
+    lens = context_lens.tolist()
+    live = sorted((b for b, n in enumerate(lens) if n > 0), key=lambda b: -lens[b])
+    dead = [b for b, n in enumerate(lens) if n <= 0]
+    zero_rows = torch.tensor(dead, dtype=torch.int64, device=device) if dead else None
+    row_elems = num_kv_heads * head_dim
+    # Optimal split of the length-sorted sequences into buckets (padding vs per-bucket overhead).
+    overhead = max(1, _BUCKET_OVERHEAD_ELEMS // row_elems)
+    count = len(live)
+    best = [0] + [0] * count
+    cut = [0] * (count + 1)
+    for j in range(1, count + 1):
+        best_cost, best_i = None, 0
+        for i in range(j):
+            cost = best[i] + overhead + (j - i) * lens[live[i]]
+            if best_cost is None or cost < best_cost:
+                best_cost, best_i = cost, i
+        best[j], cut[j] = best_cost, best_i
+    buckets: list[tuple[int, int]] = []
+    j = count
+    while j > 0:
+        buckets.append((cut[j], j))
+        j = cut[j]
+    buckets.reverse()
+
+    tables = block_tables.to(torch.int64)
+    chunks: list[_DecodeChunk] = []
+    in_order = not dead and count == len(lens)
+    for i, j in buckets:
+        length = lens[live[i]]
+        per_chunk = max(1, _CHUNK_ELEMS // (length * row_elems))
+        for s in range(i, j, per_chunk):
+            members = live[s:min(j, s + per_chunk)]
+            n = len(members)
+            rows = torch.tensor(members, dtype=torch.int64, device=device)
+            seq_lens = torch.tensor([lens[b] for b in members], dtype=torch.int64, device=device)
+            pos = torch.arange(length, device=device)
+            # Positions past a sequence's end read its last valid slot (masked), never a garbage table entry.
+            clamped = torch.minimum(pos[None, :], seq_lens[:, None] - 1)
+            blocks = tables.index_select(0, rows).gather(1, clamped // block_size).clamp_(0, num_blocks - 1)
+            slots = blocks * block_size + clamped % block_size  # [n, L]
+            heads = torch.arange(num_kv_heads, device=device)
+            kv_rows = (slots[:, None, :] * num_kv_heads + heads[None, :, None]).reshape(-1)
+            mask = None
+            if min(lens[b] for b in members) < length:
+                mask = torch.zeros(n, 1, length, device=device)
+                mask.masked_fill_(pos[None, None, :] >= seq_lens[:, None, None], float("-inf"))
+            whole = in_order and n == len(lens) and members == list(range(n))
+            chunks.append(_DecodeChunk(None if whole else rows, kv_rows, n, length, mask))
+    return _DecodePlan(chunks, zero_rows)
+
+
+def _cache_rows(cache: torch.Tensor) -> torch.Tensor | None:
+    """The cache as rows of head_dim ([num_blocks * block_size * Hkv, D]) when it is laid out densely."""
+    if cache.is_contiguous():
+        return cache.view(-1, cache.shape[-1])
+    return None
+
+
+def _gather_rows(rows: torch.Tensor | None, cache: torch.Tensor, index: torch.Tensor, slot: int) -> torch.Tensor:
+    """fp32 copy of cache rows `index` in a reused per-thread scratch buffer (valid until the next call
+    with the same slot)."""
+    head_dim = cache.shape[-1]
+    numel = index.numel() * head_dim
+    dst = _scratch(slot, numel, torch.float32, cache.device).view(-1, head_dim)
+    if rows is None:  # strided cache view: address (block, offset, head) explicitly
+        _, block_size, num_kv_heads, _ = cache.shape
+        slots = torch.div(index, num_kv_heads, rounding_mode="floor")
+        blocks = torch.div(slots, block_size, rounding_mode="floor")
+        src = cache[blocks, slots - blocks * block_size, index - slots * num_kv_heads]
+        return dst.copy_(src)
+    if cache.dtype == torch.float32:
+        return torch.index_select(rows, 0, index, out=dst)
+    raw = _scratch(slot + 2, numel, cache.dtype, cache.device).view(-1, head_dim)
+    return dst.copy_(torch.index_select(rows, 0, index, out=raw))
+
+
+def _scratch(slot: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A flat buffer of at least numel elements, reused across calls (fresh large allocations page-fault
+    on every call on CPU, which cost more than the attention itself)."""
+    # Inference tensors cannot be written outside inference mode (and vice versa for autograd): keep apart.
+    key = (slot, dtype, device, torch.is_inference_mode_enabled())
+    buf = _local.scratch.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(numel, dtype=dtype, device=device)
+        _local.scratch[key] = buf
+    return buf[:numel]
 
 
 def paged_prefill_attention(
