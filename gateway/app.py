@@ -28,6 +28,8 @@ from gateway.ledger.writer import LedgerWriter
 from gateway.policy import Policy
 from gateway.policy_store import PolicyStore
 from gateway.ratelimit import RateLimiter
+from gateway.routing import RoutingRuntime
+from gateway.shadow import ShadowRunner
 
 log = logging.getLogger("switchyard.gateway")
 
@@ -56,6 +58,7 @@ class Gateway:
     limiter: RateLimiter = field(default_factory=RateLimiter)
     budgets: BudgetBook | None = None
     started_at: float = field(default_factory=time.time)
+    routing: RoutingRuntime = field(default_factory=RoutingRuntime)  # difficulty models, engine load, shadow
 
 
 async def _spent_by_key(engine: AsyncEngine, key_id: str) -> float:
@@ -81,6 +84,9 @@ async def _lifespan(app: Starlette):
     gw = Gateway(config=config, db_engine=db_engine, writer=writer, policy_store=policy_store, pool=pool,
                  embedded=embedded, auth=Authenticator(db_engine, config.master_key))
     gw.budgets = BudgetBook(lambda key_id: _spent_by_key(db_engine, key_id))
+    # routing: shadow evaluation has its own writer (and spool) for shadow_evals
+    gw.routing.shadow = ShadowRunner(gw, config.data_dir / "shadow-spool.jsonl")
+    await gw.routing.shadow.start()
     await _apply_policy(gw, policy_store.current)
 
     async def on_change(policy: Policy) -> None:
@@ -100,6 +106,7 @@ async def _lifespan(app: Starlette):
         lag_watcher.cancel()
         # uvicorn has stopped accepting and drained in-flight requests: flush everything they logged.
         await policy_store.stop()
+        await gw.routing.aclose()  # finishes queued shadow jobs (they use the pool and the ledger writer)
         await pool.aclose()
         await writer.close()
         await db_engine.dispose()
@@ -107,6 +114,7 @@ async def _lifespan(app: Starlette):
 
 async def _apply_policy(gw: Gateway, policy: Policy) -> None:
     await gw.pool.sync(policy)
+    await gw.routing.apply(policy, gw.pool)  # loads (or trains) difficulty models in a thread, off requests
     metrics.POLICY_INFO.clear()
     metrics.POLICY_INFO.labels(policy.version).set(1)
     log.info("policy %s live: %d routes, %d backends", policy.version, len(policy.routes), len(policy.backends))

@@ -86,6 +86,28 @@ class BackendSpec(_Strict):
     max_connections: int = Field(default=256, ge=1)
 
 
+class SpilloverSpec(_Strict):
+    """When the `easy` engine is saturated (any limit exceeded), easy requests go to `hard` instead of queueing."""
+
+    max_waiting: int | None = Field(default=None, ge=0)  # requests queued in the engine
+    max_kv_usage: float | None = Field(default=None, gt=0, le=1)  # KV blocks used / total
+    max_ttft_ms: float | None = Field(default=None, gt=0)  # recent p95 time to first token
+
+
+class IdleSpec(_Strict):
+    """When the `easy` engine is idle, the threshold rises toward `max_threshold`: it is paid for anyway."""
+
+    below_utilisation: float = Field(gt=0, le=1)  # busy fraction under which the engine counts as idle
+    max_threshold: float = Field(ge=0, le=1)  # the quality floor: the threshold never relaxes past this
+
+
+class ShadowSpec(_Strict):
+    """Mirror a sampled share of served requests to the other of easy/hard and label the pair (stores prompts)."""
+
+    sample_rate: float = Field(ge=0, le=1)
+    judge: str = Field(default="exact", min_length=1)  # `exact` (client-sent reference) or a backend name
+
+
 class RouteSpec(_Strict):
     """A model name clients may send, and which backends serve it."""
 
@@ -101,6 +123,11 @@ class RouteSpec(_Strict):
     hard: str | None = None
     threshold: float | None = Field(default=None, ge=0, le=1)
     model_path: str | None = None
+    # difficulty strategy, utilisation-aware routing and learning from traffic (gateway/routing.py, shadow.py)
+    spillover: SpilloverSpec | None = None
+    idle: IdleSpec | None = None
+    shadow: ShadowSpec | None = None
+    budget_downgrade: bool = False  # a key that cannot afford `hard` is served by `easy` (reason: budget)
 
     def chain(self, primary: str | None = None) -> list[str]:
         """Backend names to try in order: `primary` (default: the route's backend), then its fallbacks."""
@@ -289,8 +316,13 @@ def _suggest(word: str, options: Iterable[str]) -> str | None:
 _SECTION_MODELS: dict[str, type[BaseModel]] = {"backends": BackendSpec, "routes": RouteSpec}
 
 
+_ROUTE_SETTINGS: dict[str, type[BaseModel]] = {"spillover": SpilloverSpec, "idle": IdleSpec, "shadow": ShadowSpec}
+
+
 def _model_at(loc: tuple) -> type[BaseModel]:
     """Which model a pydantic error location points into (for listing allowed fields)."""
+    if len(loc) >= 4 and loc[0] == "routes" and loc[2] in _ROUTE_SETTINGS:
+        return _ROUTE_SETTINGS[loc[2]]
     if len(loc) >= 3 and loc[0] in _SECTION_MODELS:
         return _SECTION_MODELS[loc[0]]
     return Policy
@@ -396,16 +428,20 @@ def _check_references(policy: Policy, source: str, marks: dict) -> list[PolicyIs
         if r.strategy == "fixed":
             if r.backend is None:
                 add(p, "missing required field 'backend'", "add `backend: NAME` (one of the backends)")
-            for f in ("easy", "hard", "threshold", "model_path"):
+            for f in ("easy", "hard", "threshold", "model_path", "spillover", "idle", "shadow"):
                 if getattr(r, f) is not None:
                     add(p + (f,), f"'{f}' applies only to `strategy: difficulty`",
                         "remove it, or set `strategy: difficulty`")
+            if r.budget_downgrade:
+                add(p + ("budget_downgrade",), "'budget_downgrade' applies only to `strategy: difficulty`",
+                    "remove it, or set `strategy: difficulty`")
         else:
             for f in ("easy", "hard"):
                 if getattr(r, f) is None:
                     add(p, f"a difficulty route needs '{f}'", f"add `{f}: BACKEND`")
                 else:
                     check_ref(p + (f,), getattr(r, f))
+            _check_difficulty_settings(policy, r, p, add)
         check_ref(p + ("backend",), r.backend)
         for i, f in enumerate(r.fallbacks):
             check_ref(p + ("fallbacks", i), f)
@@ -416,6 +452,28 @@ def _check_references(policy: Policy, source: str, marks: dict) -> list[PolicyIs
             add(p + ("counterfactual",), f"'{r.counterfactual}' is an engine backend; the counterfactual "
                     "is what an API would have charged", "name a `kind: litellm` backend")
     return issues
+
+
+def _check_difficulty_settings(policy: Policy, r: RouteSpec, p: tuple, add) -> None:
+    """spillover/idle read the `easy` engine's load; shadow needs a judge it can call."""
+    easy = policy.backends.get(r.easy) if r.easy else None
+    for f in ("spillover", "idle"):
+        if getattr(r, f) is not None and easy is not None and easy.kind != "engine":
+            add(p + (f,), f"'{f}' reads the load of the `easy` backend, and '{r.easy}' is not an engine",
+                "make `easy` a `kind: engine` backend, or remove this setting")
+    s = r.spillover
+    if s is not None and s.max_waiting is None and s.max_kv_usage is None and s.max_ttft_ms is None:
+        add(p + ("spillover",), "spillover sets no limit",
+            "add at least one of max_waiting, max_kv_usage, max_ttft_ms")
+    if r.idle is not None and r.threshold is not None and r.idle.max_threshold < r.threshold:
+        add(p + ("idle", "max_threshold"), f"max_threshold {r.idle.max_threshold} is below the route's "
+            f"threshold {r.threshold}; idle relaxation only raises the threshold",
+            f"set max_threshold between {r.threshold} and 1")
+    if r.shadow is not None and r.shadow.judge != "exact" and r.shadow.judge not in policy.backends:
+        guess = _suggest(r.shadow.judge, list(policy.backends))
+        add(p + ("shadow", "judge"), f"unknown judge '{r.shadow.judge}'",
+            "use `exact` (compare with the reference the client sends in metadata.reference) or a backend "
+            "name" + (f" (did you mean '{guess}'?)" if guess else f": {', '.join(policy.backends)}"))
 
 
 # ---------------------------------------------------------------- CLI
@@ -448,4 +506,8 @@ def policy_warnings(policy: Policy) -> list[str]:
         if b.api_key_env and b.api_key_env not in os.environ:
             out.append(f"{policy.source}: backends.{name}: environment variable {b.api_key_env} is not set "
                        "(requests to this backend will fail until it is)")
+    for name, r in policy.routes.items():
+        if r.model_path is not None and not Path(r.model_path).is_file():
+            out.append(f"{policy.source}: routes.{name}: model_path {r.model_path} is not a file (relative paths "
+                       f"are read from {Path.cwd()}); the route sends every request to '{r.backend}' until it is")
     return out

@@ -23,6 +23,7 @@ from gateway.keys import KeyInfo
 from gateway.ledger.record import LedgerRecord
 from gateway.policy import BackendSpec, Policy, RouteSpec
 from gateway.routing import decide
+from gateway.shadow import ShadowTicket, answer_text, without_reference
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
@@ -50,6 +51,7 @@ class Call:
     started: float
     chunks_with_content: int = 0
     completion_parts: list[str] = field(default_factory=list)
+    shadow: ShadowTicket | None = None  # sampled for shadow evaluation (gateway/shadow.py)
 
 
 async def handle(gw: Gateway, request: Request, endpoint: str) -> Response:
@@ -104,17 +106,31 @@ async def _admit(gw: Gateway, request: Request, endpoint: str, record: LedgerRec
     gw.limiter.admit(key, prompt_tokens)
     specs = [policy.backends[name] for name in decision.chain]
     estimate = pricing.max_cost_estimate(policy, specs, prompt_tokens, admission.max_tokens(body))
-    reservation = await gw.budgets.reserve(key, estimate)
+    try:
+        reservation = await gw.budgets.reserve(key, estimate)
+    except errors.APIError as exc:
+        # --- routing (budget): a key that cannot afford the chain may still afford `easy` alone
+        if not (route.budget_downgrade and exc.code == "insufficient_quota" and route.easy
+                and decision.chain != [route.easy]):
+            raise
+        easy_estimate = pricing.max_cost_estimate(policy, [policy.backends[route.easy]], prompt_tokens,
+                                                  admission.max_tokens(body))
+        reservation = await gw.budgets.reserve(key, easy_estimate)  # raises the 429 if even that is too much
+        decision.chain = body["_switchyard_chain"] = [route.easy]
+        record.route_reason = "budget"
     if route.log_prompts:
         record.prompt_text = admission.prompt_text(body, endpoint)
+    shadow = gw.routing.shadow.ticket(request_id=record.request_id, route=route, policy=policy, body=body,
+                                      endpoint=endpoint, decision=decision) \
+        if route.shadow is not None and gw.routing.shadow is not None else None
     return Call(record=record, key=key, policy=policy, route=route, body=body, endpoint=endpoint,
-                reservation=reservation, started=started)
+                reservation=reservation, started=started, shadow=shadow)
 
 
 def _payload(call: Call) -> dict:
     payload = dict(call.body)
     payload.pop("_switchyard_chain", None)
-    return payload
+    return without_reference(payload)
 
 
 async def _complete(gw: Gateway, request: Request, call: Call) -> Response:
@@ -138,6 +154,8 @@ async def _complete(gw: Gateway, request: Request, call: Call) -> Response:
     if call.route.log_prompts:
         call.completion_parts.append(_completion_text(body))
     _finish(gw, call, backend.spec, completion)
+    if call.shadow is not None:
+        gw.routing.shadow.submit(call.shadow, backend.name, answer_text(body))
     response = Response(orjson.dumps(body), media_type="application/json")
     response.headers["x-switchyard-backend"] = backend.name
     return _with_id(response, call.record.request_id)
@@ -213,7 +231,7 @@ class _Relay:
                 text = _chunk_text(chunk)
                 if text:
                     call.chunks_with_content += 1
-                    if call.route.log_prompts:
+                    if call.route.log_prompts or call.shadow is not None:
                         call.completion_parts.append(text)
                 if chunk.get("model") and not call.record.served_model:
                     call.record.served_model = chunk["model"]
@@ -241,6 +259,8 @@ class _Relay:
         if self.status == "client_closed" and final.device_seconds is None:
             final.device_seconds = self.gw.pool.estimate_device_seconds(self.backend.name, final.usage)
         _finish(self.gw, call, self.backend.spec, final, status=self.status, error_type=self.error_type)
+        if call.shadow is not None and self.status == "ok":
+            self.gw.routing.shadow.submit(call.shadow, self.backend.name, "".join(call.completion_parts))
         metrics.IN_FLIGHT.dec()
 
 
@@ -263,6 +283,9 @@ def _finish(gw: Gateway, call: Call, spec: BackendSpec | None, completion: Compl
     if spec is not None:
         record.backend = spec.name
         record.served_model = record.served_model or spec.model
+        chain = call.body.get("_switchyard_chain")
+        if chain and spec.name != chain[0]:
+            record.route_reason = "fallback"  # routing: the chain's first choice did not serve it
     if spec is not None and completion is not None:
         usage = completion.usage
         if completion.body.get("model"):
@@ -283,7 +306,7 @@ def _finish(gw: Gateway, call: Call, spec: BackendSpec | None, completion: Compl
         metrics.TOKENS.labels(spec.name, "cached_prompt").inc(usage.cached_prompt_tokens)
         metrics.TOKENS.labels(spec.name, "completion").inc(usage.completion_tokens)
         metrics.COST.labels(spec.name, cost.basis).inc(cost.total_usd)
-    if call.completion_parts:
+    if call.completion_parts and call.route.log_prompts:
         record.completion_text = "".join(call.completion_parts)
     gw.budgets.settle(call.reservation, record.cost_usd)
     backend_label = record.backend or "none"

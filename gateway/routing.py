@@ -1,24 +1,247 @@
-"""Turns a route and a request into an ordered chain of backends to try, with the reason."""
+"""Turns a route and a request into an ordered chain of backends to try, with the reason.
+
+`decide()` runs on the request path, so everything slow happens elsewhere: difficulty models are loaded
+(the default one trained if missing) when a policy is applied, in a thread, and reloaded by a watcher when
+their file changes; engine load is scraped in the background (gateway/engine_load.py). Per request this
+costs one `DifficultyModel.score()` and a few comparisons.
+
+Reasons written to the ledger's `route_reason` (see docs/router.md, "Routing in the gateway"):
+  fixed            a fixed route's backend
+  difficulty_easy  score < threshold → easy
+  difficulty_hard  score ≥ threshold → hard
+  idle_relaxed     easy only because the idle engine relaxed the threshold
+  spillover        easy by score, but the easy engine is saturated → hard
+  no_score         no model loaded (yet) or nothing to score → the route's `backend` (default: hard)
+  budget           (set in proxy.py) the key cannot afford hard → easy
+  fallback         (set in proxy.py) served by a backend other than the chain's first
+  shadow, shadow_judge  (gateway/shadow.py) mirrored and judge calls of shadow evaluation
+"""
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gateway.policy import RouteSpec
+from gateway.engine_load import UNKNOWN, EngineLoad, EngineLoadMonitor
+from gateway.policy import IdleSpec, Policy, RouteSpec, SpilloverSpec
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
+    from gateway.backend_pool import BackendPool
+    from gateway.shadow import ShadowRunner
+    from router.model import DifficultyModel
+
+log = logging.getLogger("switchyard.routing")
+
+FALLBACK_THRESHOLD = 0.5  # when neither the route nor the model gives one
 
 
 @dataclass(slots=True)
 class Decision:
     chain: list[str]  # backend names, first choice first
-    reason: str  # fixed | difficulty_easy | difficulty_hard | …
+    reason: str  # see the module docstring
     difficulty: float | None = None
-    threshold: float | None = None
+    threshold: float | None = None  # the threshold actually applied (after idle relaxation)
+    model_version: str | None = None
+
+
+# ---------------------------------------------------------------- the decision, as pure functions
+
+
+def saturated(load: EngineLoad, spillover: SpilloverSpec | None) -> bool:
+    """Is any spillover limit exceeded? Unknown load is never saturated (the fallback chain covers a dead engine)."""
+    if spillover is None or not load.known:
+        return False
+    return ((spillover.max_waiting is not None and load.waiting is not None and load.waiting > spillover.max_waiting)
+            or (spillover.max_kv_usage is not None and load.kv_usage is not None
+                and load.kv_usage > spillover.max_kv_usage)
+            or (spillover.max_ttft_ms is not None and load.ttft_p95_ms is not None
+                and load.ttft_p95_ms > spillover.max_ttft_ms))
+
+
+def relaxed_threshold(threshold: float, load: EngineLoad, idle: IdleSpec | None) -> float:
+    """Below `below_utilisation`, rise linearly from `threshold` (at that utilisation) to `max_threshold` (at 0)."""
+    if idle is None or not load.known or load.busy is None or load.busy >= idle.below_utilisation:
+        return threshold
+    if idle.max_threshold <= threshold:
+        return threshold
+    slack = 1.0 - max(0.0, load.busy) / idle.below_utilisation
+    return threshold + (idle.max_threshold - threshold) * slack
+
+
+def choose(score: float, threshold: float, load: EngineLoad, spillover: SpilloverSpec | None,
+           idle: IdleSpec | None) -> tuple[bool, float, str]:
+    """(hard?, threshold applied, reason) for one scored request."""
+    if saturated(load, spillover):
+        return True, threshold, ("spillover" if score < threshold else "difficulty_hard")
+    effective = relaxed_threshold(threshold, load, idle)
+    if score >= effective:
+        return True, effective, "difficulty_hard"
+    return False, effective, ("idle_relaxed" if score >= threshold else "difficulty_easy")
+
+
+def difficulty_chain(route: RouteSpec, hard: bool) -> list[str]:
+    """First choice, then the route's fallbacks, then the other of easy/hard; no name twice."""
+    first, other = (route.hard, route.easy) if hard else (route.easy, route.hard)
+    chain: list[str] = []
+    for name in (first, *route.fallbacks, other):
+        if name is not None and name not in chain:
+            chain.append(name)
+    return chain
+
+
+def scoring_input(body: dict) -> list | str | None:
+    """What the router scores: the chat messages, or the completions prompt (None for token ids)."""
+    messages = body.get("messages")
+    if messages is not None:
+        return messages
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return "\n".join(prompt)
+    return None
 
 
 def decide(route: RouteSpec, body: dict, gw: Gateway | None = None) -> Decision:
-    """Fixed routes go to their backend, then their fallbacks, in order."""
-    chain = [route.backend, *[name for name in route.fallbacks if name != route.backend]]
-    return Decision(chain=chain, reason="fixed")
+    """Fixed routes go to their backend, then their fallbacks; difficulty routes are scored."""
+    if route.strategy != "difficulty":
+        return Decision(chain=route.chain(), reason="fixed")
+    runtime = gw.routing if gw is not None else None
+    model = runtime.models.get(route) if runtime is not None else None
+    request = scoring_input(body)
+    if model is None or request is None:
+        return Decision(chain=route.chain(), reason="no_score")
+    score = model.score(request)
+    threshold = route.threshold
+    if threshold is None:
+        threshold = model.default_threshold if model.default_threshold is not None else FALLBACK_THRESHOLD
+    load = runtime.load.get(route.easy) if (route.spillover or route.idle) else UNKNOWN
+    hard, applied, reason = choose(score, threshold, load, route.spillover, route.idle)
+    return Decision(chain=difficulty_chain(route, hard), reason=reason, difficulty=score, threshold=applied,
+                    model_version=model.version)
+
+
+# ---------------------------------------------------------------- models, loaded off the request path
+
+
+def _stamp(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_size)
+
+
+class DifficultyModels:
+    """The difficulty models the live policy names, by `model_path` ("" = the project's default model).
+
+    Loaded in a thread when a policy is applied; a watcher reloads a model whose file changed (a
+    `router retrain` activation replaces it atomically). A file that fails to load keeps the previous model
+    if there was one; a route without any model routes with reason `no_score`.
+    """
+
+    def __init__(self, poll_interval_s: float = 1.0) -> None:
+        self.poll_interval_s = poll_interval_s
+        self._models: dict[str, DifficultyModel] = {}  # read on the request path
+        self._files: dict[str, tuple[Path, tuple[int, int] | None]] = {}  # the file each model came from
+        self._task: asyncio.Task | None = None
+        self._lock = asyncio.Lock()
+
+    def get(self, route: RouteSpec) -> DifficultyModel | None:
+        return self._models.get(route.model_path or "")
+
+    @staticmethod
+    def _load(key: str) -> tuple[DifficultyModel, Path, tuple[int, int] | None]:
+        from router.model import DifficultyModel, default_model_path, load_default_model
+
+        if key:
+            path = Path(key)
+            stamp = _stamp(path)
+            return DifficultyModel.load(path), path, stamp
+        model = load_default_model()  # trains from router/data/ on first use (about a second)
+        path = default_model_path()
+        return model, path, _stamp(path)
+
+    async def _load_into(self, key: str) -> None:
+        from router.model import ModelFileError
+
+        try:
+            model, path, stamp = await asyncio.to_thread(self._load, key)
+        except (ModelFileError, OSError) as exc:
+            kept = "keeping the loaded model" if key in self._models else "its routes use `backend` (no_score)"
+            log.error("difficulty model %s could not be loaded (%s); %s", key or "(default)", exc, kept)
+            if key and key not in self._files:  # watch for the file to appear (or be fixed)
+                self._files[key] = (Path(key), None)
+            return
+        models = dict(self._models)
+        models[key] = model
+        self._models = models  # one reference swap: a request sees the old or the new model
+        self._files[key] = (path, stamp)
+        log.info("difficulty model %s loaded from %s (version %s)", key or "(default)", path, model.version)
+
+    async def sync(self, policy: Policy) -> None:
+        keys = {r.model_path or "" for r in policy.routes.values() if r.strategy == "difficulty"}
+        async with self._lock:
+            for key in keys:
+                path = Path(key) if key else None
+                known = self._files.get(key)
+                if key not in self._models or known is None or (path is not None and _stamp(path) != known[1]):
+                    await self._load_into(key)
+            self._models = {k: m for k, m in self._models.items() if k in keys}
+            self._files = {k: f for k, f in self._files.items() if k in keys}
+        if keys and self._task is None:
+            self._task = asyncio.create_task(self._watch(), name="difficulty-model-watch")
+
+    async def check_now(self) -> None:
+        """Reload every model whose file changed since it was loaded."""
+        async with self._lock:
+            for key, (path, stamp) in list(self._files.items()):
+                current = _stamp(path)
+                if current is not None and current != stamp:
+                    await self._load_into(key)
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_interval_s)
+            try:
+                await self.check_now()
+            except Exception:
+                log.exception("difficulty model watcher error")
+
+    async def aclose(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+class RoutingRuntime:
+    """The routing state the gateway keeps between requests: models, engine load, shadow evaluation."""
+
+    def __init__(self, models: DifficultyModels | None = None, load: EngineLoadMonitor | None = None) -> None:
+        self.models = models or DifficultyModels()
+        self.load = load or EngineLoadMonitor()
+        self.shadow: ShadowRunner | None = None
+
+    async def apply(self, policy: Policy, pool: BackendPool) -> None:
+        """Called when a policy goes live (after the pool synced, so embedded engines have their URLs)."""
+        targets = {}
+        for name, spec in policy.backends.items():
+            backend = pool.get(name)
+            api_base = getattr(backend, "api_base", None) or spec.api_base
+            if spec.kind == "engine" and api_base:
+                targets[name] = api_base
+        self.load.configure(targets)
+        await self.models.sync(policy)
+
+    async def aclose(self) -> None:
+        if self.shadow is not None:
+            await self.shadow.aclose()
+        await self.models.aclose()
+        await self.load.aclose()

@@ -75,3 +75,35 @@ class ApiKey(Base):
     is_admin: Mapped[bool] = mapped_column(Boolean, nullable=False, default=False)
     revoked: Mapped[bool] = mapped_column(Boolean, nullable=False, default=False)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+
+
+class ShadowEvalRow(Base):
+    """One shadow evaluation: a served request mirrored to the other of easy/hard, both answers judged.
+
+    Written only for routes with a `shadow:` setting, which is an explicit opt-in to storing prompts:
+    `switchyard router retrain --from-ledger` trains the difficulty model on these rows.
+    """
+
+    __tablename__ = "shadow_evals"
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
+    request_id: Mapped[str] = mapped_column(String(64), unique=True, nullable=False)  # the request mirrored
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    route: Mapped[str] = mapped_column(String(256), nullable=False)
+    endpoint: Mapped[str] = mapped_column(String(32), nullable=False)
+    prompt_text: Mapped[str] = mapped_column(Text, nullable=False)  # flattened, for people
+    messages_json: Mapped[str | None] = mapped_column(Text)  # chat: the messages as sent, for retraining
+    easy_backend: Mapped[str] = mapped_column(String(128), nullable=False)
+    hard_backend: Mapped[str] = mapped_column(String(128), nullable=False)
+    served_backend: Mapped[str] = mapped_column(String(128), nullable=False)
+    weak_answer: Mapped[str | None] = mapped_column(Text)
+    strong_answer: Mapped[str | None] = mapped_column(Text)
+    weak_correct: Mapped[bool] = mapped_column(Boolean, nullable=False)
+    strong_correct: Mapped[bool] = mapped_column(Boolean, nullable=False)
+    judge: Mapped[str] = mapped_column(String(128), nullable=False)  # exact | a backend name
+    difficulty: Mapped[float | None] = mapped_column(Float)
+    threshold: Mapped[float | None] = mapped_column(Float)
+    model_version: Mapped[str | None] = mapped_column(String(64))
+    policy_version: Mapped[str | None] = mapped_column(String(64))
+
+    __table_args__ = (Index("ix_shadow_evals_route_created_at", "route", "created_at"),)

@@ -1,0 +1,201 @@
+"""How loaded each in-house engine is, read from its Prometheus /metrics in the background.
+
+The router asks `EngineLoadMonitor.get(name)` on the request path; that is a dict lookup and a clock read.
+A background task scrapes every engine backend's `/metrics` (its api_base without `/v1`) every
+`interval_s` and keeps one `EngineLoad` per engine: queue length, running batch, KV usage, busy fraction,
+and the time-to-first-token percentiles of the requests that finished in the last `ttft_window_s` (from
+the difference of two histogram snapshots, as Prometheus' histogram_quantile over a rate). An engine that
+does not answer, or whose last answer is older than `stale_after_s`, reads `UNKNOWN`: routing then
+ignores load and the fallback chain handles a dead engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import httpx
+from prometheus_client import Counter
+
+log = logging.getLogger("switchyard.engine_load")
+
+SCRAPE_FAILURES = Counter("switchyard_engine_load_scrape_failures", "Failed scrapes of an engine's /metrics",
+                          ["backend"])
+
+_P = "switchyard_engine_"
+_TTFT_BUCKET = _P + "time_to_first_token_seconds_bucket"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """One engine's load as last scraped; every field is None when unknown."""
+
+    known: bool
+    waiting: int | None = None
+    running: int | None = None
+    kv_usage: float | None = None  # KV blocks used / total, 0..1
+    busy: float | None = None  # the engine's busy fraction, 0..1
+    ttft_p50_ms: float | None = None  # of requests finished in the recent window; None when none did
+    ttft_p95_ms: float | None = None
+    observed_at: float = 0.0  # time.monotonic() of the scrape
+
+
+UNKNOWN = EngineLoad(known=False)
+
+
+def metrics_url(api_base: str) -> str:
+    """http://host:port/v1 → http://host:port/metrics (the engine serves both at its root)."""
+    base = api_base.rstrip("/")
+    return base.removesuffix("/v1") + "/metrics"
+
+
+def parse_samples(text: str) -> tuple[dict[str, float], list[tuple[float, float]]]:
+    """Unlabelled samples by name, and the TTFT histogram as (upper bound, cumulative count) pairs."""
+    values: dict[str, float] = {}
+    buckets: list[tuple[float, float]] = []
+    for line in text.splitlines():
+        if not line.startswith(_P):
+            continue
+        key, _, raw = line.rpartition(" ")
+        try:
+            value = float(raw)
+        except ValueError:
+            continue
+        if key.startswith(_TTFT_BUCKET + "{"):
+            le = key.partition('le="')[2].partition('"')[0]
+            buckets.append((math.inf if le == "+Inf" else float(le), value))
+        elif "{" not in key:
+            values[key] = value
+    buckets.sort()
+    return values, buckets
+
+
+def histogram_quantile(q: float, bounds: tuple[float, ...], counts: tuple[float, ...]) -> float | None:
+    """The q-quantile of cumulative bucket counts, interpolating linearly inside the bucket (None if empty)."""
+    if not counts or counts[-1] <= 0:
+        return None
+    rank = q * counts[-1]
+    lower, below = 0.0, 0.0
+    for bound, cum in zip(bounds, counts, strict=True):
+        if cum >= rank:
+            if math.isinf(bound):  # in the overflow bucket: the largest finite bound is all we know
+                return lower
+            inside = cum - below
+            return lower + (bound - lower) * ((rank - below) / inside if inside > 0 else 1.0)
+        lower, below = bound, cum
+    return lower
+
+
+class _Engine:
+    """Scrape state of one engine: its URL, the latest load, and recent TTFT histogram snapshots."""
+
+    __slots__ = ("history", "load", "url")
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.load = UNKNOWN
+        self.history: deque[tuple[float, tuple[float, ...]]] = deque()
+
+    def update(self, text: str, now: float, window_s: float) -> None:
+        values, buckets = parse_samples(text)
+        bounds = tuple(b for b, _ in buckets)
+        counts = tuple(c for _, c in buckets)
+        if self.history and (len(self.history[-1][1]) != len(counts)
+                             or any(c < p for c, p in zip(counts, self.history[-1][1], strict=True))):
+            self.history.clear()  # the engine restarted: its counters began again
+        self.history.append((now, counts))
+        # Keep one snapshot at or before the window's start as the baseline.
+        while len(self.history) >= 2 and self.history[1][0] <= now - window_s:
+            self.history.popleft()
+        p50 = p95 = None
+        if counts and len(self.history) >= 2:
+            base = self.history[0][1]
+            delta = tuple(c - b for c, b in zip(counts, base, strict=True))
+            p50, p95 = histogram_quantile(0.5, bounds, delta), histogram_quantile(0.95, bounds, delta)
+        total = values.get(_P + "kv_blocks_total")
+        used = values.get(_P + "kv_blocks_used")
+        waiting = values.get(_P + "requests_waiting")
+        running = values.get(_P + "requests_running")
+        self.load = EngineLoad(
+            known=True,
+            waiting=None if waiting is None else int(waiting),
+            running=None if running is None else int(running),
+            kv_usage=used / total if used is not None and total else None,
+            busy=values.get(_P + "busy_fraction"),
+            ttft_p50_ms=None if p50 is None else p50 * 1000,
+            ttft_p95_ms=None if p95 is None else p95 * 1000,
+            observed_at=now,
+        )
+
+
+class EngineLoadMonitor:
+    def __init__(self, interval_s: float = 0.5, ttft_window_s: float = 30.0, stale_after_s: float = 3.0,
+                 timeout_s: float = 1.0) -> None:
+        self.interval_s = interval_s
+        self.ttft_window_s = ttft_window_s
+        self.stale_after_s = stale_after_s
+        self.timeout_s = timeout_s
+        self._engines: dict[str, _Engine] = {}
+        self._client: httpx.AsyncClient | None = None
+        self._task: asyncio.Task | None = None
+
+    def get(self, name: str) -> EngineLoad:
+        """The engine's latest load, or UNKNOWN (never scraped, not answering, or stale). Request path: cheap."""
+        engine = self._engines.get(name)
+        if engine is None:
+            return UNKNOWN
+        load = engine.load
+        if not load.known or time.monotonic() - load.observed_at > self.stale_after_s:
+            return UNKNOWN
+        return load
+
+    def configure(self, targets: dict[str, str]) -> None:
+        """Scrape exactly these engines ({backend name: api_base}); starts the background task once."""
+        engines = {}
+        for name, api_base in targets.items():
+            url = metrics_url(api_base)
+            current = self._engines.get(name)
+            engines[name] = current if current is not None and current.url == url else _Engine(url)
+        self._engines = engines
+        if engines and self._task is None:
+            self._task = asyncio.create_task(self._run(), name="engine-load")
+
+    async def scrape_once(self) -> None:
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=self.timeout_s)
+        await asyncio.gather(*(self._scrape(name, e) for name, e in list(self._engines.items())))
+
+    async def _scrape(self, name: str, engine: _Engine) -> None:
+        assert self._client is not None
+        try:
+            response = await self._client.get(engine.url)
+            response.raise_for_status()
+            engine.update(response.text, time.monotonic(), self.ttft_window_s)
+        except (httpx.HTTPError, ValueError) as exc:
+            if engine.load.known:
+                log.info("engine %s load unknown (%s: %s)", name, type(exc).__name__, exc)
+            engine.load = UNKNOWN
+            SCRAPE_FAILURES.labels(name).inc()
+
+    async def _run(self) -> None:
+        while True:
+            started = time.monotonic()
+            try:
+                await self.scrape_once()
+            except Exception:  # keep scraping whatever happens; routing just sees UNKNOWN
+                log.exception("engine load scrape failed")
+            await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
+
+    async def aclose(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
