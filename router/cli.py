@@ -191,3 +191,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--store-in-model", action="store_true",
                    help="also store the threshold in the model file as its default_threshold")
     c.set_defaults(func=_guard(_calibrate))
+
+    from router.retrain import register as register_retrain  # learning from the gateway's shadow evaluations
+
+    register_retrain(rsub, _guard)
