@@ -150,9 +150,9 @@ def _run(args: argparse.Namespace) -> int:
                            min_gain=args.min_gain)
     print(f"{ds.source}: {outcome.rows} labelled rows; trained on {outcome.train_rows}, "
           f"compared on {outcome.holdout_rows} held out (stratified, seed {args.seed})")
-    print(f"current model: {current_path}")
+    print(f"comparing with the model in {current_path}")
     if not outcome.activated:
-        print(_table(outcome, "(not saved)"))
+        print(_table(outcome, "(unsaved)"))
         print(f"kept the current model: the new one is not better on the held-out rows (APGR "
               f"{outcome.new['apgr']:.4f} vs {outcome.current['apgr']:.4f}, needed > +{args.min_gain:g}); "
               f"nothing was written")
