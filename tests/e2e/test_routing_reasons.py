@@ -1,0 +1,95 @@
+"""The `fallback` and `budget` route reasons, through a real gateway with stand-in backends."""
+from __future__ import annotations
+
+import numpy as np
+import openai
+import pytest
+
+from gateway.keys import create_key
+from router.train import fit
+from tests.e2e.conftest import MASTER_KEY, free_port, ledger_rows, run_gateway
+
+POLICY = """
+backends:
+  local:
+    kind: engine
+    model: small
+    api_base: {standin}
+    gpu_hour_usd: 2.0
+    reserve_usd_per_mtok: 1
+  api:
+    kind: litellm
+    model: openai/gpt-4o
+    api_base: {standin}
+    api_key_env: STANDIN_API_KEY
+    input_usd_per_mtok: 10
+    output_usd_per_mtok: 90
+  dead:
+    kind: engine
+    model: nobody
+    api_base: http://127.0.0.1:{dead_port}/v1
+    max_retries: 0
+    connect_timeout_s: 0.5
+routes:
+  thrifty:
+    strategy: difficulty
+    easy: local
+    hard: api
+    threshold: 0.5
+    model_path: {model}
+    budget_downgrade: true
+  plain:
+    strategy: difficulty
+    easy: local
+    hard: api
+    threshold: 0.5
+    model_path: {model}
+  broken-easy:
+    strategy: difficulty
+    easy: dead
+    hard: api
+    threshold: 0.5
+    model_path: {model}
+"""
+HARD = "prove the statement number 7"
+EASY = "say hi 7"
+
+
+@pytest.fixture
+def gateway(standin, tmp_path, monkeypatch):
+    monkeypatch.setenv("STANDIN_API_KEY", "sk-standin")
+    prompts = [f"prove the statement number {i}" for i in range(20)] + [f"say hi {i}" for i in range(40)]
+    model = fit(prompts, np.array([False] * 20 + [True] * 40), np.ones(60, dtype=bool))
+    model.save(tmp_path / "m.npz")
+    assert model.score(HARD) >= 0.5 > model.score(EASY)
+    with run_gateway(POLICY.format(standin=standin, dead_port=free_port(), model=tmp_path / "m.npz"),
+                     tmp_path) as running:
+        yield running
+
+
+def test_a_key_that_cannot_afford_hard_is_served_by_easy_where_the_route_allows(gateway) -> None:
+    # Worst case on `api` for this request: ~12 prompt tokens at $10/M + 10 completion tokens at $90/M ≈ $0.001;
+    # on `local`: 22 tokens at the $1/M reservation rate ≈ $0.00002. The key has $0.0005.
+    key, _ = gateway.call(lambda: create_key(gateway.gw.db_engine, "team-a", budget_usd=0.0005))
+    client = openai.OpenAI(base_url=gateway.base_url, api_key=key, max_retries=0)
+    raw = client.chat.completions.with_raw_response.create(
+        model="thrifty", messages=[{"role": "user", "content": HARD}], max_tokens=10)
+    assert raw.headers["x-switchyard-backend"] == "local"
+    with pytest.raises(openai.RateLimitError, match="Budget exceeded"):
+        client.chat.completions.create(model="plain", messages=[{"role": "user", "content": HARD}], max_tokens=10)
+    gateway.call(gateway.gw.writer.flush)
+    rows = ledger_rows(gateway.config.database_url)
+    assert [(r["route"], r["backend"], r["route_reason"], r["status"]) for r in rows] == [
+        ("thrifty", "local", "budget", "ok"), ("plain", None, "difficulty_hard", "rejected")]
+    assert rows[0]["difficulty"] >= 0.5 and 0 < rows[0]["cost_usd"] < 0.0005
+
+
+def test_served_by_a_later_backend_is_logged_as_fallback(gateway) -> None:
+    client = openai.OpenAI(base_url=gateway.base_url, api_key=MASTER_KEY, max_retries=0)
+    raw = client.chat.completions.with_raw_response.create(
+        model="broken-easy", messages=[{"role": "user", "content": EASY}], max_tokens=3)
+    assert raw.headers["x-switchyard-backend"] == "api"  # easy by score, its engine is down, hard answered
+    gateway.call(gateway.gw.writer.flush)
+    [row] = ledger_rows(gateway.config.database_url)
+    assert (row["backend"], row["route_reason"], row["attempts"]) == ("api", "fallback", 2)
+    assert row["difficulty"] < 0.5 and row["threshold"] == 0.5
