@@ -330,6 +330,12 @@ def export(model: Any, tok: Any, out_dir: Path, max_length: int) -> None:
     bf16 = bf16.to(torch.bfloat16)
     bf16.config.dtype = "bfloat16"
     bf16.save_pretrained(tmp, safe_serialization=True)
+    # transformers 5 writes rope_parameters/dtype; readers of the 4.x layout look for these two keys.
+    config = json.loads((tmp / "config.json").read_text())
+    if "rope_theta" in (config.get("rope_parameters") or {}):
+        config.setdefault("rope_theta", config["rope_parameters"]["rope_theta"])
+    config.setdefault("torch_dtype", "bfloat16")
+    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     tok.save(str(tmp / "tokenizer.json"))
     for name, payload in tokenizer_files(tok, max_length).items():
         (tmp / name).write_text(json.dumps(payload, indent=2, ensure_ascii=False) + "\n")
@@ -523,7 +529,7 @@ def plot_loss(log_csv: Path, png: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(png, optimize=True)
+    fig.savefig(png)
     plt.close(fig)
 
 
