@@ -1,10 +1,13 @@
 """The only kernel entry points the engine calls: one dispatch layer over Triton and the torch reference.
 
-Dispatch (read per call, so tests can flip it):
-  SWITCHYARD_KERNELS unset/"auto": CUDA tensors -> Triton (when triton imports), anything else -> the
-                                    plain-torch reference (vectorised; it is the engine's CPU path).
+Dispatch (the variable is looked at per call, so tests can flip it):
+  SWITCHYARD_KERNELS unset/"auto": CUDA tensors -> Triton (when triton imports); CPU tensors -> the
+                                    compiled CPU kernels of kernels/cpu_native.py where they apply
+                                    (decode attention, few-row fp32 linear), else the plain-torch reference
+                                    (vectorised; the rest of the engine's CPU path).
   SWITCHYARD_KERNELS=triton:        Triton always (on CPU this needs TRITON_INTERPRET=1 and is slow).
-  SWITCHYARD_KERNELS=reference:     the reference always.
+  SWITCHYARD_KERNELS=reference:     the reference always (SWITCHYARD_CPU_NATIVE=0 only turns the native
+                                    CPU kernels off).
 
 Layouts: see kernels/reference.py (KV cache [num_blocks, block_size, num_kv_heads, head_dim]).
 """
@@ -15,16 +18,32 @@ import os
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 
-from kernels import reference
+from kernels import cpu_native, reference
 
 _MODES = ("auto", "triton", "reference")
+_ENV_VAR = "SWITCHYARD_KERNELS"
+# os.environ's own backing dict, looked up directly: ~30x cheaper than os.environ.get, which matters at
+# ~300 kernel calls per decode step. monkeypatch.setenv and os.environ[...] = ... update it as well.
+try:
+    _ENV_DATA, _ENV_KEY = os.environ._data, os.environ.encodekey(_ENV_VAR)  # type: ignore[attr-defined]
+except AttributeError:  # an os.environ without these internals: use the public API
+    _ENV_DATA, _ENV_KEY = os.environ, _ENV_VAR
+_parsed: list = [None, "auto"]  # [raw value, mode]: parsed again only when the value changes
 
 
 def backend_mode() -> str:
-    mode = os.environ.get("SWITCHYARD_KERNELS", "auto").strip().lower() or "auto"
+    raw = _ENV_DATA.get(_ENV_KEY)
+    if raw is None:
+        return "auto"
+    if raw == _parsed[0]:
+        return _parsed[1]
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    mode = text.strip().lower() or "auto"
     if mode not in _MODES:
         raise ValueError(f"SWITCHYARD_KERNELS={mode!r} is not one of {', '.join(_MODES)}")
+    _parsed[:] = [raw, mode]
     return mode
 
 
@@ -60,20 +79,31 @@ def _triton_module() -> ModuleType | None:
 
 def _use_triton(t: torch.Tensor) -> bool:
     mode = backend_mode()
+    if mode == "auto":
+        return t.is_cuda and _triton_module() is not None
     if mode == "reference":
         return False
-    if mode == "triton":
-        if _triton_module() is None:
-            raise RuntimeError("SWITCHYARD_KERNELS=triton but triton is not importable")
-        if not t.is_cuda and not _interpret_env():
-            raise RuntimeError("SWITCHYARD_KERNELS=triton with CPU tensors needs TRITON_INTERPRET=1")
-        return True
-    return t.is_cuda and _triton_module() is not None
+    if _triton_module() is None:  # mode == "triton"
+        raise RuntimeError("SWITCHYARD_KERNELS=triton but triton is not importable")
+    if not t.is_cuda and not _interpret_env():
+        raise RuntimeError("SWITCHYARD_KERNELS=triton with CPU tensors needs TRITON_INTERPRET=1")
+    return True
+
+
+def _native_cpu(t: torch.Tensor) -> bool:
+    """CPU tensor in auto mode: the compiled CPU kernels may take the call (they return None if not)."""
+    return not t.is_cuda and backend_mode() == "auto"
 
 
 def active_backend(t: torch.Tensor) -> str:
-    """'triton' or 'reference': what a call with tensors on t's device would run."""
+    """'triton' or 'reference': what a call with tensors on t's device would run (on CPU in auto mode the
+    reference side includes the native kernels where they apply: see native_cpu_active)."""
     return "triton" if _use_triton(t) else "reference"
+
+
+def native_cpu_active(t: torch.Tensor) -> bool:
+    """Whether calls with tensors on t's device may use the compiled CPU kernels (kernels/cpu_native.py)."""
+    return _native_cpu(t) and cpu_native.library() is not None
 
 
 # --------------------------------------------------------------------------- KV cache
@@ -126,6 +156,10 @@ def paged_decode_attention(
     _check_attention(q, k_cache, v_cache)
     if _use_triton(q):
         return _triton_module().paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+    if _native_cpu(q):
+        out = cpu_native.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+        if out is not None:
+            return out
     return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
@@ -185,6 +219,20 @@ def apply_rotary(
     if _use_triton(q):
         return _triton_module().apply_rotary(q, k, positions, cos_sin)
     return reference.apply_rotary(q, k, positions, cos_sin)
+
+
+# --------------------------------------------------------------------------- linear
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T (+ bias) -> [M, N], a dense projection. CPU fp32 with a few rows (decode
+    at small batch, where the weights stream from memory) -> the native GEMV; otherwise torch's matmul
+    (cuBLAS on CUDA, MKL on CPU)."""
+    if _native_cpu(x):
+        out = cpu_native.linear(x, weight, bias)
+        if out is not None:
+            return out
+    return F.linear(x, weight, bias)
 
 
 # --------------------------------------------------------------------------- quantized linear

@@ -27,6 +27,14 @@ class RMSNormWeight(nn.Module):
         return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
+def _project(layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    """A Linear's forward; full-precision ones go through ops.linear (on CPU at small batch: the native
+    GEMV, about twice MKL's rate for one row), quantized ones through their own kernels."""
+    if layer.quantization is None:
+        return ops.linear(x, layer.weight, layer.bias)
+    return layer(x)
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -43,13 +51,13 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = _project(self.qkv_proj, x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = ops.apply_rotary(q, k, positions, cos_sin)
         out = self.attn(q, k, v, meta)
-        return self.o_proj(out.view(t, self.q_size))
+        return _project(self.o_proj, out.view(t, self.q_size))
 
 
 class LlamaMLP(nn.Module):
@@ -61,8 +69,8 @@ class LlamaMLP(nn.Module):
         self.intermediate_size = inter
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = _project(self.gate_up_proj, x).split(self.intermediate_size, dim=-1)
+        return _project(self.down_proj, F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -118,4 +126,4 @@ class LlamaForCausalLM(nn.Module):
         hidden = hidden.index_select(0, logits_indices)
         residual = residual.index_select(0, logits_indices)
         hidden, _ = self.norm(hidden, residual)
-        return F.linear(hidden, self.lm_head_weight).float()
+        return ops.linear(hidden, self.lm_head_weight).float()

@@ -1,0 +1,246 @@
+/* CPU kernels for the engine's memory-bound hot paths, compiled at first use by kernels/cpu_native.py:
+ *   sy_decode_attention  paged decode attention, each cached K/V row read once (fp32 or bf16 cache)
+ *   sy_linear_f32        y = x W^T (+ b) for a few rows of x, streaming W once in memory order
+ * Math is fp32. Parallel loops use the OpenMP runtime torch itself loaded (the same libgomp.so.1), so
+ * they share torch's threads. Written for GCC >= 12 / clang vector extensions; any failure to build
+ * makes the engine fall back to the torch reference. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+typedef float v16 __attribute__((vector_size(64), aligned(4))); /* 16 floats; unaligned loads allowed */
+typedef int32_t i16 __attribute__((vector_size(64)));
+
+#define MAX_Q_HEADS 128
+#define MAX_HEAD_DIM 256
+#define MAX_BLOCK_ROW 16384 /* block_size * Hkv * D values converted per block for bf16 caches */
+
+static inline v16 ld(const float *p) { return *(const v16 *)p; }
+
+/* Lane sums of 16 vectors: out[t] = sum_i a[t][i], by a shuffle tree (30 shuffles + 15 adds). */
+static inline v16 transpose_sum16(const v16 *a) {
+    v16 c[8], d[4], e[2];
+    for (int i = 0; i < 8; i++)
+        c[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; i++)
+        d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+               __builtin_shufflevector(c[2 * i], c[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int i = 0; i < 2; i++)
+        e[i] = __builtin_shufflevector(d[2 * i], d[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+               __builtin_shufflevector(d[2 * i], d[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return __builtin_shufflevector(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+/* exp(x) for x <= 0 (softmax arguments after subtracting the max), 16 lanes, within ~2 ulp:
+ * x = n ln2 + r with |r| <= ln2/2 (n rounded to nearest with the 1.5 * 2^23 trick), exp(r) by its
+ * degree-7 Taylor polynomial (truncation < 1e-8 relative), times 2^n built in the exponent bits.
+ * x < -87 (beyond fp32's normal range) gives 0. */
+static inline v16 exp_nonpos16(v16 x) {
+    const i16 under = x < -87.0f;
+    x = (v16)((under & (i16)((v16){0} - 87.0f)) | (~under & (i16)x));
+    const v16 magic = (v16){0} + 12582912.0f;
+    const v16 n = (x * 1.44269504088896341f + magic) - magic;
+    v16 r = x - n * 0.693145751953125f;
+    r = r - n * 1.42860682030941723212e-6f;
+    v16 p = r * (1.0f / 5040.0f) + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const i16 two_n = (__builtin_convertvector(n, i16) + 127) << 23;
+    return (v16)(~under & (i16)(p * (v16)two_n));
+}
+
+/* A block's rows [block_size, Hkv, D] as fp32: the cache itself for fp32, else converted into buf. */
+static inline const float *block_rows(const void *cache, int is_bf16, int64_t blk, int64_t sb, int64_t so,
+                                      int64_t sh, int n, int Hkv, int D, float *buf, int64_t *row_stride,
+                                      int64_t *head_stride) {
+    if (!is_bf16) {
+        *row_stride = so;
+        *head_stride = sh;
+        return (const float *)cache + blk * sb;
+    }
+    const uint16_t *src = (const uint16_t *)cache + blk * sb;
+    for (int o = 0; o < n; o++)
+        for (int h = 0; h < Hkv; h++) {
+            const uint16_t *s = src + o * so + h * sh;
+            uint32_t *d = (uint32_t *)(buf + ((int64_t)o * Hkv + h) * D);
+            for (int i = 0; i < D; i++) d[i] = (uint32_t)s[i] << 16;
+        }
+    *row_stride = (int64_t)Hkv * D;
+    *head_stride = D;
+    return buf;
+}
+
+/* Ask for a block's rows (into L2) one block ahead of use: blocks sit at random places in the pool, too
+ * short and too far apart for the hardware prefetchers to follow. */
+static inline void prefetch_block(const void *cache, int elem, int64_t blk, int64_t sb, int64_t so, int64_t sh,
+                                  int n, int Hkv, int D) {
+    const char *base = (const char *)cache + blk * sb * elem;
+    for (int o = 0; o < n; o++)
+        for (int h = 0; h < Hkv; h++) {
+            const char *row = base + (o * so + h * sh) * elem;
+            for (int c = 0; c < D * elem; c += 64) __builtin_prefetch(row + c, 0, 1);
+        }
+}
+
+/* Decode attention for one sequence and all its heads, every cached K/V row read once in block order.
+ * q: [Hq, D] fp32, pre-scaled; out: [Hq, D]; scores: [Hq, round_up(len, 16)] scratch. D % 16 == 0.
+ * Returns 0, or 1 if a block id is out of range (nothing is read from it). */
+static int decode_seq(const float *q, const void *kc, const void *vc, int is_bf16, int64_t sb, int64_t so,
+                      int64_t sh, const int32_t *table, int64_t num_blocks, int block_size, int len, int Hq,
+                      int Hkv, int D, float *scores, float *out) {
+    float acc[MAX_Q_HEADS * MAX_HEAD_DIM] __attribute__((aligned(64)));
+    float conv[MAX_BLOCK_ROW] __attribute__((aligned(64)));
+    v16 part[16];
+    const int G = Hq / Hkv, nblk = (len + block_size - 1) / block_size, ld_s = (len + 15) & ~15;
+    for (int i = 0; i < nblk; i++)
+        if (table[i] < 0 || table[i] >= num_blocks) return 1;
+
+    const int elem = is_bf16 ? 2 : 4;
+#define NEXT_ROWS(i) (len - (i) * block_size < block_size ? len - (i) * block_size : block_size)
+    /* scores[j, t] = q_j . k_t, 16 tokens at a time. */
+    prefetch_block(kc, elem, table[0], sb, so, sh, NEXT_ROWS(0), Hkv, D);
+    for (int i = 0; i < nblk; i++) {
+        const int n = NEXT_ROWS(i);
+        if (i + 1 < nblk) prefetch_block(kc, elem, table[i + 1], sb, so, sh, NEXT_ROWS(i + 1), Hkv, D);
+        int64_t rs, hs;
+        const float *k = block_rows(kc, is_bf16, table[i], sb, so, sh, n, Hkv, D, conv, &rs, &hs);
+        for (int t0 = 0; t0 < n; t0 += 16) {
+            const int m = n - t0 < 16 ? n - t0 : 16;
+            for (int h = 0; h < Hkv; h++)
+                for (int g = 0; g < G; g++) {
+                    const int j = h * G + g;
+                    const float *qj = q + (int64_t)j * D;
+                    for (int t = 0; t < 16; t++) {
+                        v16 a = {0};
+                        if (t < m) {
+                            const float *kt = k + (t0 + t) * rs + h * hs;
+                            for (int d = 0; d < D; d += 16) a += ld(qj + d) * ld(kt + d);
+                        }
+                        part[t] = a;
+                    }
+                    v16 s = transpose_sum16(part);
+                    memcpy(scores + (int64_t)j * ld_s + i * block_size + t0, &s, sizeof(float) * m);
+                }
+        }
+    }
+    /* softmax over t, per head; the score rows are padded to a multiple of 16 (pad: -inf -> exp 0) */
+    float inv[MAX_Q_HEADS];
+    for (int j = 0; j < Hq; j++) {
+        float *sj = scores + (int64_t)j * ld_s;
+        for (int t = len; t < ld_s; t++) sj[t] = -INFINITY;
+        v16 mv = ld(sj);
+        for (int t = 16; t < ld_s; t += 16) {
+            const v16 x = ld(sj + t);
+            mv = (v16)(((i16)(x > mv) & (i16)x) | ((i16)(x <= mv) & (i16)mv));
+        }
+        float mx = mv[0];
+        for (int i = 1; i < 16; i++) mx = mv[i] > mx ? mv[i] : mx;
+        v16 sum = {0};
+        for (int t = 0; t < ld_s; t += 16) {
+            const v16 e = exp_nonpos16(ld(sj + t) - mx);
+            *(v16 *)(sj + t) = e;
+            sum += e;
+        }
+        float total = 0.0f;
+        for (int i = 0; i < 16; i++) total += sum[i];
+        inv[j] = 1.0f / total;
+    }
+    /* out_j = sum_t p[j, t] v_t / sum_j */
+    memset(acc, 0, sizeof(float) * Hq * D);
+    prefetch_block(vc, elem, table[0], sb, so, sh, NEXT_ROWS(0), Hkv, D);
+    for (int i = 0; i < nblk; i++) {
+        const int n = NEXT_ROWS(i);
+        if (i + 1 < nblk) prefetch_block(vc, elem, table[i + 1], sb, so, sh, NEXT_ROWS(i + 1), Hkv, D);
+        int64_t rs, hs;
+        const float *v = block_rows(vc, is_bf16, table[i], sb, so, sh, n, Hkv, D, conv, &rs, &hs);
+        for (int h = 0; h < Hkv; h++)
+            for (int g = 0; g < G; g++) {
+                const int j = h * G + g;
+                const float *pj = scores + (int64_t)j * ld_s + i * block_size;
+                float *aj = acc + (int64_t)j * D;
+                for (int d = 0; d < D; d += 16) {
+                    v16 a0 = *(v16 *)(aj + d), a1 = {0};
+                    int t = 0;
+                    for (; t + 1 < n; t += 2) {
+                        a0 += pj[t] * ld(v + t * rs + h * hs + d);
+                        a1 += pj[t + 1] * ld(v + (t + 1) * rs + h * hs + d);
+                    }
+                    if (t < n) a0 += pj[t] * ld(v + t * rs + h * hs + d);
+                    *(v16 *)(aj + d) = a0 + a1;
+                }
+            }
+    }
+    for (int j = 0; j < Hq; j++)
+        for (int d = 0; d < D; d++) out[(int64_t)j * D + d] = acc[(int64_t)j * D + d] * inv[j];
+    return 0;
+#undef NEXT_ROWS
+}
+
+/* Paged decode attention. q, out: [B, Hq, D] fp32 contiguous, q already multiplied by the softmax scale.
+ * Caches (fp32, or bf16 when is_bf16): element (block, offset, head, d) at block*sb + offset*so + head*sh + d.
+ * tables: int32 [B, table_stride]; lens: int32 [B]; scratch: [threads, scratch_stride] fp32 with
+ * scratch_stride >= Hq * round_up(max len, 16). len <= 0 gives zeros.
+ * Returns 0; 1 if a block id was out of range; 2 if the shape is unsupported. */
+int sy_decode_attention(const float *q, const void *k_cache, const void *v_cache, int is_bf16, int64_t sb,
+                        int64_t so, int64_t sh, int64_t num_blocks, int block_size, const int32_t *tables,
+                        int64_t table_stride, const int32_t *lens, int B, int Hq, int Hkv, int D, float *out,
+                        float *scratch, int64_t scratch_stride, int threads) {
+    if (D % 16 || D > MAX_HEAD_DIM || Hq > MAX_Q_HEADS || Hkv <= 0 || Hq % Hkv ||
+        (is_bf16 && (int64_t)block_size * Hkv * D > MAX_BLOCK_ROW))
+        return 2;
+    int bad = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(| : bad)
+    for (int b = 0; b < B; b++) {
+        const float *qb = q + (int64_t)b * Hq * D;
+        float *ob = out + (int64_t)b * Hq * D;
+        const int len = lens[b];
+        if (len <= 0) {
+            memset(ob, 0, sizeof(float) * Hq * D);
+            continue;
+        }
+#ifdef _OPENMP
+        float *scores = scratch + (int64_t)omp_get_thread_num() * scratch_stride;
+#else
+        float *scores = scratch;
+#endif
+        bad |= decode_seq(qb, k_cache, v_cache, is_bf16, sb, so, sh, tables + (int64_t)b * table_stride,
+                          num_blocks, block_size, len, Hq, Hkv, D, scores, ob);
+    }
+    return bad;
+}
+
+/* y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for a few rows of x: each weight row is read once, in
+ * order (one sequential stream per thread, which the hardware prefetcher follows), and dotted with
+ * every x row. fp32 throughout. */
+void sy_linear_f32(const float *x, int64_t x_stride, const float *w, int64_t w_stride, const float *bias,
+                   float *y, int64_t y_stride, int M, int64_t N, int64_t K, int threads) {
+    const int64_t kv = K - K % 64;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t n = 0; n < N; n++) {
+        const float *wr = w + n * w_stride;
+        for (int m = 0; m < M; m++) {
+            const float *xm = x + m * x_stride;
+            v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+            for (int64_t k = 0; k < kv; k += 64) {
+                a0 += ld(wr + k) * ld(xm + k);
+                a1 += ld(wr + k + 16) * ld(xm + k + 16);
+                a2 += ld(wr + k + 32) * ld(xm + k + 32);
+                a3 += ld(wr + k + 48) * ld(xm + k + 48);
+            }
+            const v16 a = (a0 + a1) + (a2 + a3);
+            float s = 0.0f;
+            for (int i = 0; i < 16; i++) s += a[i];
+            for (int64_t k = kv; k < K; k++) s += wr[k] * xm[k];
+            y[m * y_stride + n] = bias ? s + bias[n] : s;
+        }
+    }
+}

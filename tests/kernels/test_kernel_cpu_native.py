@@ -1,0 +1,155 @@
+"""The compiled CPU kernels (kernels/cpu_native.py) against float64 dense formulations and torch, plus
+their dispatch through kernels.ops and their fallbacks."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_native, ops, reference
+from tests.kernels.paged_cases import dense_decode, make_paged_kv
+
+torch.set_num_threads(2)
+
+HAVE_COMPILER = any(shutil.which(c) for c in ("cc", "gcc", "clang"))
+pytestmark = pytest.mark.skipif(not HAVE_COMPILER, reason="no C compiler on this machine: the native path is off")
+ATOL = {torch.float32: 2e-5, torch.bfloat16: 1e-5}  # bf16 caches, fp32 queries and output
+
+
+@pytest.fixture(autouse=True)
+def _native_on(monkeypatch):
+    monkeypatch.delenv("SWITCHYARD_CPU_NATIVE", raising=False)
+    monkeypatch.delenv("SWITCHYARD_KERNELS", raising=False)
+    cpu_native.reset()
+    yield
+    cpu_native.reset()
+
+
+def test_builds_and_shares_torch_openmp_runtime():
+    assert cpu_native.library() is not None, cpu_native.unavailable_reason()
+    assert ops.native_cpu_active(torch.zeros(1))
+    with open("/proc/self/maps") as fh:
+        gomp = {line.split()[-1] for line in fh if "libgomp" in line}
+    assert len(gomp) <= 1, gomp  # one OpenMP runtime: torch's
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_kv_heads,group,head_dim", [(2, 1, 16), (1, 4, 32), (1, 8, 16), (3, 3, 64)])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_decode_matches_dense(cache_dtype, num_kv_heads, group, head_dim, block_size):
+    lens = [1, 7, 33, 18, 64]
+    kv = make_paged_kv(lens, num_kv_heads, head_dim, block_size, cache_dtype, seed=block_size + group)
+    q = torch.randn(len(lens), num_kv_heads * group, head_dim)
+    kv.block_tables[0, 1:] = 12345  # garbage past a sequence's blocks is never read
+    out = cpu_native.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens, 0.3)
+    assert out is not None and out.dtype == torch.float32 and out.shape == q.shape
+    torch.testing.assert_close(out.double(), dense_decode(q, kv, 0.3), atol=ATOL[cache_dtype], rtol=0)
+
+
+def test_decode_sharp_softmax_and_underflow():
+    # Large logits: most probabilities underflow to exactly 0 and the max dominates; still the dense answer.
+    kv = make_paged_kv([40, 300], 2, 32, 16, torch.float32, seed=5)
+    q = 4 * torch.randn(2, 4, 32)
+    out = cpu_native.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens, 2.0)
+    torch.testing.assert_close(out.double(), dense_decode(q, kv, 2.0), atol=2e-5, rtol=1e-5)
+
+
+def test_decode_engine_layout_strided_q_and_zero_length():
+    # The engine's caches are slices of one pool [layers, 2, blocks, block, Hkv, D]; q is a view of the
+    # fused QKV projection (row stride larger than Hq * D); a sequence with no context gives zeros.
+    layers, blocks, bs, hkv, d = 2, 12, 4, 2, 16
+    pool = torch.randn(layers, 2, blocks, bs, hkv, d)
+    k_cache, v_cache = pool[1, 0], pool[1, 1]
+    qkv = torch.randn(3, (4 + 2 * hkv) * d)
+    q = qkv[:, : 4 * d].view(3, 4, d)
+    tables = torch.tensor([[3, 7, 1], [0, 0, 0], [11, 2, 0]], dtype=torch.int32)
+    lens = torch.tensor([10, 0, 5], dtype=torch.int32)
+    got = cpu_native.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25)
+    want = reference.paged_decode_attention(q.contiguous(), k_cache, v_cache, tables, lens, 0.25)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    assert torch.equal(got[1], torch.zeros(4, d))
+
+
+def test_decode_rejects_block_ids_outside_the_pool():
+    kv = make_paged_kv([9], 1, 16, 4, torch.float32)
+    kv.block_tables[0, 1] = kv.k_cache.shape[0]  # one past the end, inside the sequence's blocks
+    q = torch.randn(1, 2, 16)
+    with pytest.raises(ValueError, match="outside the pool"):
+        cpu_native.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens, 0.3)
+    with pytest.raises(ValueError, match="columns of block_tables"):
+        cpu_native.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables[:, :1], kv.context_lens, 0.3)
+
+
+def test_decode_same_result_on_one_and_two_threads():
+    kv = make_paged_kv([50, 3, 120, 17], 2, 32, 16, torch.float32, seed=2)
+    q = torch.randn(4, 4, 32)
+    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens, 0.2)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_native.paged_decode_attention(*args)
+        torch.set_num_threads(2)
+        two = cpu_native.paged_decode_attention(*args)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+def test_unsupported_shapes_fall_back_to_the_reference():
+    kv = make_paged_kv([5, 9], 1, 8, 4, torch.float32)  # head_dim 8: not a multiple of 16
+    q = torch.randn(2, 2, 8)
+    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens, 0.3)
+    assert cpu_native.paged_decode_attention(*args) is None
+    torch.testing.assert_close(ops.paged_decode_attention(*args).double(), dense_decode(q, kv, 0.3), atol=2e-5,
+                               rtol=0)
+    kv16 = make_paged_kv([5, 9], 1, 16, 4, torch.float16)  # fp16 caches: reference only
+    q16 = torch.randn(2, 2, 16).half()
+    assert cpu_native.paged_decode_attention(q16, kv16.k_cache, kv16.v_cache, kv16.block_tables,
+                                             kv16.context_lens, 0.3) is None
+
+
+def test_ops_dispatch_and_switches(monkeypatch):
+    kv = make_paged_kv([21, 6], 1, 16, 4, torch.float32, seed=1)
+    q = torch.randn(2, 2, 16)
+    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens, 0.3)
+    native = cpu_native.paged_decode_attention(*args)
+    assert torch.equal(ops.paged_decode_attention(*args), native)
+    monkeypatch.setenv("SWITCHYARD_KERNELS", "reference")  # forces the plain-torch reference
+    assert not ops.native_cpu_active(q)
+    assert torch.equal(ops.paged_decode_attention(*args), reference.paged_decode_attention(*args))
+    monkeypatch.delenv("SWITCHYARD_KERNELS")
+    monkeypatch.setenv("SWITCHYARD_CPU_NATIVE", "0")
+    cpu_native.reset()
+    assert cpu_native.library() is None and not ops.native_cpu_active(q)
+    assert cpu_native.paged_decode_attention(*args) is None
+    torch.testing.assert_close(ops.paged_decode_attention(*args), native, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("k", [576, 100, 64])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_matches_torch(rows, k, with_bias):
+    gen = torch.Generator().manual_seed(rows * k)
+    w = torch.randn(130, k, generator=gen)
+    b = torch.randn(130, generator=gen) if with_bias else None
+    x = torch.randn(rows, k, generator=gen)
+    got = cpu_native.linear(x, w, b)
+    want = x.double() @ w.double().t() + (b.double() if b is not None else 0)
+    assert got is not None and got.shape == (rows, 130)
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(ops.linear(x, w, b), got, atol=0, rtol=0)
+
+
+def test_linear_strided_rows_and_fallbacks():
+    w = torch.randn(64, 96)
+    wide = torch.randn(2, 200)
+    x = wide[:, 10:106]  # row stride 200, unit column stride
+    torch.testing.assert_close(cpu_native.linear(x, w), F.linear(x, w), atol=1e-4, rtol=1e-5)
+    assert cpu_native.linear(torch.randn(cpu_native.LINEAR_MAX_ROWS + 1, 96), w) is None  # MKL's GEMM wins
+    assert cpu_native.linear(torch.randn(1, 96).bfloat16(), w.bfloat16()) is None
+    assert cpu_native.linear(torch.randn(1, 96), w.t().contiguous().t()) is None  # column-major weight
+    x5 = torch.randn(5, 96)
+    torch.testing.assert_close(ops.linear(x5, w), F.linear(x5, w))
