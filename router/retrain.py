@@ -9,8 +9,8 @@ to --out. Otherwise nothing is written. Too few rows, a single class, or a held-
 backend is not better are user errors: one `error:` line, exit 2, nothing written.
 
 The one network access of router/: the ledger database the operator names (the gateway's default URL
-otherwise). The model gets a default_threshold that sends the same share of the training rows to `hard`
-as the current model does at its own default threshold; a `threshold:` in the policy still takes precedence.
+otherwise). The new model keeps the current model's default_threshold; a `threshold:` in the policy still
+takes precedence (recalibrate with `router calibrate` if the table shows the share sent to `hard` moved).
 """
 from __future__ import annotations
 
@@ -90,7 +90,6 @@ def retrain(ds: LabelledSet, current, *, holdout: float = 0.3, seed: int = 0, mi
     """(outcome without file fields, the new model). Raises DataError / MetricError on unusable data."""
     import numpy as np
 
-    from router.calibrate import for_strong_share
     from router.dataset import DataError
     from router.metrics import MetricError, evaluate
     from router.train import TrainConfig, fit
@@ -115,10 +114,14 @@ def retrain(ds: LabelledSet, current, *, holdout: float = 0.3, seed: int = 0, mi
         new_report = evaluate(new.score_many(te.requests), te.weak, te.strong)
     except MetricError as e:
         raise DataError(f"{ds.source}: the held-out rows cannot be evaluated: {e}") from e
-    # Keep the cost profile: the same strong share on the training rows as the current model's default.
-    current_threshold = current.default_threshold if current.default_threshold is not None else 0.5
-    share = float(np.mean(current.score_many(tr.requests) >= current_threshold))
-    new.default_threshold = for_strong_share(new.score_many(tr.requests), share).threshold
+    # The new model keeps the current default threshold (a probability: "more likely than not needed"
+    # at 0.5); the table shows what share of the held-out rows each model sends to `hard` with it.
+    threshold = current.default_threshold if current.default_threshold is not None else 0.5
+    new.default_threshold = current.default_threshold
+    for report, model in ((current_report, current), (new_report, new)):
+        report["threshold"] = threshold
+        report["strong_share"] = float(np.mean(model.score_many(te.requests) >= threshold))
+        report["quality"] = float(np.mean(np.where(model.score_many(te.requests) >= threshold, te.strong, te.weak)))
     better = new_report["apgr"] > current_report["apgr"] + min_gain
     outcome = RetrainOutcome(rows=n, train_rows=int(train_idx.size), holdout_rows=int(test_idx.size),
                              current=current_report, new=new_report, current_version=current.version,
@@ -127,9 +130,11 @@ def retrain(ds: LabelledSet, current, *, holdout: float = 0.3, seed: int = 0, mi
 
 
 def _table(o: RetrainOutcome, new_version: str) -> str:
-    lines = [f"{'model':<9} {'version':<17} {'APGR':>7} {'CPT(50%)':>9}"]
-    for name, version, report in (("current", o.current_version, o.current), ("new", new_version, o.new)):
-        lines.append(f"{name:<9} {version:<17} {report['apgr']:>7.4f} {report['cpt50']:>9.1%}")
+    t = o.current["threshold"]
+    lines = [f"{'model':<9} {'version':<17} {'APGR':>7} {'CPT(50%)':>9} {f'hard share @{t:g}':>16} {'quality':>8}"]
+    for name, version, r in (("current", o.current_version, o.current), ("new", new_version, o.new)):
+        lines.append(f"{name:<9} {version:<17} {r['apgr']:>7.4f} {r['cpt50']:>9.1%} {r['strong_share']:>16.1%} "
+                     f"{r['quality']:>8.3f}")
     return "\n".join(lines)
 
 
@@ -163,7 +168,7 @@ def _run(args: argparse.Namespace) -> int:
     print(_table(outcome, version))
     what = "replacing the current model (a running gateway reloads it)" if target == current_path else "(--out)"
     print(f"activated: the new model is better (APGR +{outcome.new['apgr'] - outcome.current['apgr']:.4f}); "
-          f"wrote {target} {what}; default_threshold {new.default_threshold:.4f}")
+          f"wrote {target} {what}")
     return 0
 
 
