@@ -41,6 +41,7 @@ class GatewayConfig:
     data_dir: Path
     master_key: str | None = None
     wait_for_engines_s: float = 120.0  # at start, how long to wait for embedded engines to be healthy
+    banner: str | None = None  # printed once startup is complete (the first-start key and snippet)
 
 
 @dataclass(slots=True)
@@ -99,6 +100,8 @@ async def _lifespan(app: Starlette):
             if not ok:
                 log.error("embedded engine %s is not healthy yet; its routes use fallbacks until it is", name)
     app.state.gw = gw
+    if config.banner:
+        print(config.banner, flush=True)
     lag_watcher = asyncio.create_task(metrics.watch_loop_lag())
     try:
         yield

@@ -47,6 +47,7 @@ def serve(args: argparse.Namespace) -> int:
     from gateway.app import GatewayConfig, create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("alembic").setLevel(logging.WARNING)
     policy_path = Path(args.policy) if args.policy else settings.DEFAULT_POLICY
     try:
         policy = load_policy(policy_path)
@@ -58,16 +59,18 @@ def serve(args: argparse.Namespace) -> int:
     base_url = f"http://{args.host}:{args.port}/v1"
     model = _example_model(policy)
     master = settings.master_key()
+    banner = f"\nSwitchyard is ready at {base_url}\n"
     if master is None:
         new_key = asyncio.run(_bootstrap_admin_key(url))
         if new_key:
-            print("\nGenerated an admin API key. It is shown ONCE (only its hash is stored):\n\n"
-                  f"    {new_key}\n\nPaste this to try it:\n\n{snippet(base_url, new_key, model)}\n", flush=True)
+            banner += ("\nGenerated an admin API key. It is shown ONCE (only its hash is stored):\n\n"
+                       f"    {new_key}\n\nPaste this to try it:\n\n{snippet(base_url, new_key, model)}\n")
         else:
-            print("Using the admin key generated on first start (create more with `switchyard keys create`).\n"
-                  + snippet(base_url, "<your key>", model) + "\n", flush=True)
+            banner += ("Using the admin key generated on first start (create more with `switchyard keys create`).\n"
+                       + snippet(base_url, "<your key>", model) + "\n")
+    # Printed once the gateway (and any embedded engine) is ready, so the snippet works when pasted.
     config = GatewayConfig(policy_path=policy_path, database_url=url, data_dir=settings.data_dir(),
-                           master_key=master)
+                           master_key=master, banner=banner)
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=30, access_log=False)
     return 0

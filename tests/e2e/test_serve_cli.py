@@ -110,3 +110,38 @@ def test_first_start_prints_a_key_once_and_the_snippet_works(standin, tmp_path):
         second_output = stop(process)
     assert match.group(1) not in second_output  # shown once only
     assert "Using the admin key" in second_output
+
+
+def test_default_policy_answers_from_the_bundled_demo_model(tmp_path):
+    """What `make serve` does on a fresh machine: default policy, embedded engine, demo model, SQLite."""
+    port = free_port()
+    env = {**os.environ, "SWITCHYARD_DATA_DIR": str(tmp_path / "data")}
+    for name in ("SWITCHYARD_MASTER_KEY", "SWITCHYARD_DATABASE_URL", "OPENAI_API_KEY"):
+        env.pop(name, None)
+    process = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--port", str(port)], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    lines: list[str] = []
+    try:
+        for line in process.stdout:  # the banner comes once the embedded engine is healthy
+            lines.append(line)
+            if line.startswith("print(reply.choices[0].message.content)"):
+                break
+        output = "".join(lines)
+        snippet = output[output.index("from openai import OpenAI"):]
+        wait_http(f"http://127.0.0.1:{port}/health", timeout=60)
+        ran = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=120,
+                             check=False)
+        assert ran.returncode == 0, ran.stderr
+        assert ran.stdout.strip(), "the demo model answered with nothing"
+    finally:
+        process.send_signal(signal.SIGINT)
+        process.communicate(timeout=60)
+    engine = sa.create_engine(f"sqlite:///{tmp_path / 'data' / 'switchyard.db'}")
+    with engine.connect() as conn:
+        rows = [dict(r._mapping) for r in conn.execute(sa.text("SELECT * FROM cost_ledger"))]
+    engine.dispose()
+    assert len(rows) == 1
+    row = rows[0]
+    assert row["route"] == "demo" and row["backend"] == "local" and row["status"] == "ok"
+    assert row["cost_basis"] == "gpu_amortized" and row["gpu_seconds"] > 0
+    assert row["counterfactual_cost_usd"] > 0  # what gpt-4o-mini would have charged for the same tokens
