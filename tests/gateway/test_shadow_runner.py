@@ -115,7 +115,8 @@ def record(i: int) -> ShadowRecord:
                         difficulty=0.1 * i, threshold=0.5, model_version="v", policy_version="p")
 
 
-async def test_writer_spools_during_an_outage_and_replays_into_shadow_evals(tmp_path: Path) -> None:
+async def test_writer_spools_during_an_outage_and_replays_into_shadow_evals(tmp_path: Path,
+                                                                              migrated_db_url: str) -> None:
     spool = tmp_path / "shadow-spool.jsonl"
     down = ShadowEvalWriter("postgresql://nobody@127.0.0.1:1/none", spool, retry_initial_s=60)
     await down.start()
@@ -126,8 +127,7 @@ async def test_writer_spools_during_an_outage_and_replays_into_shadow_evals(tmp_
     left = [p for p in (spool, spool.with_name(spool.name + ".replaying")) if p.exists()]
     assert down.stats.spooled == 3 and left  # durable on disk (a failed last replay leaves it as .replaying)
 
-    url = f"sqlite:///{tmp_path}/l.db"
-    db.upgrade(url)
+    url = migrated_db_url  # SQLite and PostgreSQL
     up = ShadowEvalWriter(url, spool)
     await up.start()  # replays the previous process's spool first
     up.submit(record(3))
