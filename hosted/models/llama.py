@@ -5,6 +5,8 @@ there is no padding and no batch dimension. K/V go to the paged cache through ke
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,11 +30,17 @@ class RMSNormWeight(nn.Module):
 
 
 def _project(layer: Linear, x: torch.Tensor) -> torch.Tensor:
-    """A Linear's forward; full-precision ones go through ops.linear (on CPU at small batch: the native
-    GEMV, about twice MKL's rate for one row), quantized ones through their own kernels."""
+    """A Linear's forward. Full-precision ones go through ops.linear, which on CPU takes the native GEMV at
+    small batch and the prepacked oneDNN weight (see LlamaForCausalLM.prepack_weights) above it; quantized
+    ones through their own kernels."""
     if layer.quantization is None:
-        return ops.linear(x, layer.weight, layer.bias)
+        return ops.linear(x, layer.weight, layer.bias, _PACKED.get(layer))
     return layer(x)
+
+
+# Linear (or the model, for the lm_head) -> its weight prepacked for the CPU GEMM, set by prepack_weights.
+# Weak keys: a model dropped is forgotten with its packed copies.
+_PACKED: weakref.WeakKeyDictionary[nn.Module, torch.Tensor] = weakref.WeakKeyDictionary()
 
 
 class LlamaAttention(nn.Module):
@@ -110,6 +118,22 @@ class LlamaForCausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    def prepack_weights(self) -> int:
+        """Keep a copy of every full-precision projection weight (and the lm_head) in the CPU GEMM's packed
+        layout (ops.prepack_linear_weight); returns the bytes this adds (0 where packing does not apply)."""
+        added = 0
+        targets: list[tuple[nn.Module, torch.Tensor]] = [
+            (m, m.weight) for m in self.modules() if isinstance(m, Linear) and m.quantization is None]
+        if self.lm_head is None:
+            targets.append((self, self.lm_head_weight))
+        for owner, weight in targets:
+            packed = ops.prepack_linear_weight(weight)
+            if packed is None:
+                continue
+            _PACKED[owner] = packed
+            added += weight.numel() * weight.element_size()
+        return added
+
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.layers]
 
@@ -126,4 +150,5 @@ class LlamaForCausalLM(nn.Module):
         hidden = hidden.index_select(0, logits_indices)
         residual = residual.index_select(0, logits_indices)
         hidden, _ = self.norm(hidden, residual)
-        return ops.linear(hidden, self.lm_head_weight).float()
+        head = self.lm_head if self.lm_head is not None else self
+        return ops.linear(hidden, self.lm_head_weight, None, _PACKED.get(head)).float()
