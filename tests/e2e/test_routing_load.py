@@ -145,7 +145,7 @@ def test_saturated_engine_spills_easy_work_to_the_api(engine, api, scored, tmp_p
         socks = occupy(engine.base_url, n=10, max_tokens=450)  # one runs (max-num-seqs 1), nine queue
         try:
             seen = wait_for(lambda: (lo := monitor.get("local")).known and lo.waiting > 1 and lo, what="a queue")
-            assert seen.running == 1
+            assert seen.running <= 1  # max-num-seqs 1 (0 for an instant between two of them)
             assert ask(gateway, "assistant", easy) == "api"  # spilled instead of queueing behind them
         finally:
             for s in socks:

@@ -166,7 +166,7 @@ def test_exact_judge_labels_plain_and_streamed_requests(gateway) -> None:
 
     labels = shadow_rows(gateway)
     ids = [easy.headers["x-request-id"], stream.headers["x-request-id"], done.headers["x-request-id"]]
-    assert list(labels) == ids
+    assert sorted(labels) == sorted(ids)  # two workers: labels may land in either order
     first, second, third = (labels[i] for i in ids)
     assert (first["served_backend"], first["weak_correct"], first["strong_correct"]) == ("weak", False, True)
     assert (second["served_backend"], second["weak_correct"], second["strong_correct"]) == ("strong", True, False)
@@ -182,10 +182,10 @@ def test_exact_judge_labels_plain_and_streamed_requests(gateway) -> None:
     served = [r for r in ledger if r["route_reason"] != "shadow"]
     mirrored = [r for r in ledger if r["route_reason"] == "shadow"]
     assert len(served) == 4 and {r["api_key_id"] for r in served} != {None}
-    assert [r["backend"] for r in mirrored] == ["strong", "weak", "strong"]
+    assert sorted(r["backend"] for r in mirrored) == ["strong", "strong", "weak"]
     assert all(r["status"] == "ok" and r["api_key_id"] is None and r["team"] is None and r["cost_usd"] > 0
                and r["route"] == "assistant" for r in mirrored)
-    assert mirrored[0]["cost_basis"] == "api_price" and mirrored[1]["cost_basis"] == "gpu_amortized"
+    assert {r["backend"]: r["cost_basis"] for r in mirrored} == {"strong": "api_price", "weak": "gpu_amortized"}
 
 
 def test_backend_judge_labels_with_yes_no_and_skips_unclear_verdicts(gateway) -> None:
