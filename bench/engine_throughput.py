@@ -156,12 +156,18 @@ def bench_engine(engine, prompts: list[list[int]], new_tokens: int) -> dict:
         arrival[rid] = time.perf_counter()
         counts[rid] = 0
     steps = 0
+    total = new_tokens * len(prompts)
+    next_report = total // 8
     while engine.has_unfinished():
         for out in engine.step():
             if out.new_token_ids:
                 counts[out.request_id] += len(out.new_token_ids)
                 first.setdefault(out.request_id, time.perf_counter())
         steps += 1
+        done = sum(counts.values())
+        if done >= next_report and done < total:
+            log(f"  (c) {done}/{total} tokens after {steps} steps: {done / (time.perf_counter() - t0):.1f} tok/s")
+            next_report += total // 8
     seconds = time.perf_counter() - t0
     after = engine.stats()
     tokens = sum(counts.values())
