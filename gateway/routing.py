@@ -84,11 +84,15 @@ def choose(score: float, threshold: float, load: EngineLoad, spillover: Spillove
     return False, effective, ("idle_relaxed" if score >= threshold else "difficulty_easy")
 
 
-def difficulty_chain(route: RouteSpec, hard: bool) -> list[str]:
-    """First choice, then the route's fallbacks, then the other of easy/hard; no name twice."""
-    first, other = (route.hard, route.easy) if hard else (route.easy, route.hard)
+def difficulty_chain(route: RouteSpec, hard: bool | None) -> list[str]:
+    """First choice, then the route's fallbacks, then the other of easy/hard; no name twice.
+    hard=None (no score): the route's `backend` first (default: hard)."""
+    if hard is None:
+        first, other = route.backend, (route.easy if route.backend == route.hard else route.hard)
+    else:
+        first, other = (route.hard, route.easy) if hard else (route.easy, route.hard)
     chain: list[str] = []
-    for name in (first, *route.fallbacks, other):
+    for name in (first, *route.fallbacks, other, route.easy):
         if name is not None and name not in chain:
             chain.append(name)
     return chain
@@ -115,7 +119,7 @@ def decide(route: RouteSpec, body: dict, gw: Gateway | None = None) -> Decision:
     model = runtime.models.get(route) if runtime is not None else None
     request = scoring_input(body)
     if model is None or request is None:
-        return Decision(chain=route.chain(), reason="no_score")
+        return Decision(chain=difficulty_chain(route, None), reason="no_score")
     score = model.score(request)
     threshold = route.threshold
     if threshold is None:

@@ -217,7 +217,7 @@ async def test_missing_model_routes_to_backend_and_default_model_loads_in_a_thre
     runtime = RoutingRuntime()
     await runtime.models.sync(policy)
     d = decide(policy.routes["assistant"], {"prompt": "prove it"}, FakeGateway(runtime))
-    assert (d.reason, d.chain) == ("no_score", ["mini", "spare"])  # backend defaults to hard
+    assert (d.reason, d.chain) == ("no_score", ["mini", "spare", "local"])  # backend defaults to hard
     # No model_path: the project's default model, trained into the data dir on first use, off the loop.
     monkeypatch.setenv("SWITCHYARD_DATA_DIR", str(tmp_path / "data"))
     monkeypatch.delenv("SWITCHYARD_ROUTER_MODEL", raising=False)
@@ -316,3 +316,11 @@ def test_route_settings_parse() -> None:
 def test_bad_route_settings_name_field_and_fix(body: str, expected: str) -> None:
     message = error_of(body)
     assert expected in message and "p.yaml:" in message and "fix:" in message
+
+
+@pytest.mark.parametrize("name", ["utilisation-routing.yaml", "shadow-learning.yaml"])
+def test_example_policies_validate(name: str) -> None:
+    from gateway.policy import load_policy
+
+    route = load_policy(Path(__file__).resolve().parents[2] / "policies" / "examples" / name).routes["assistant"]
+    assert route.strategy == "difficulty" and (route.spillover and route.idle or route.shadow)
