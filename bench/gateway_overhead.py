@@ -138,6 +138,10 @@ routes:
   via-litellm:
     strategy: fixed
     backend: litellm_standin
+  via-router:
+    strategy: difficulty
+    easy: engine_standin
+    hard: engine_standin
 """)
         processes.append(start([sys.executable, "-m", "gateway.cli", "serve", "--policy", str(policy), "--port",
                                 str(gw_port), "--database-url", f"sqlite:///{tmp / 'ledger.db'}",
@@ -176,6 +180,7 @@ litellm_settings:
 
         targets = [("upstream direct", upstream, "standin"),
                    ("gateway, engine backend", gateway, "via-engine"),
+                   ("gateway, engine backend, difficulty router on", gateway, "via-router"),
                    ("gateway, litellm backend", gateway, "via-litellm")]
         if proxy_url:
             targets.append(("LiteLLM proxy", proxy_url, "gpt-4o-mini"))

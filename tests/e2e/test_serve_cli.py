@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 
+import openai
 import pytest
 import sqlalchemy as sa
 
@@ -133,14 +134,29 @@ def test_default_policy_answers_from_the_bundled_demo_model(tmp_path):
                              check=False)
         assert ran.returncode == 0, ran.stderr
         assert ran.stdout.strip(), "the demo model answered with nothing"
+        # The `auto` route routes by difficulty out of the box (the router trains from router/data/).
+        key = re.search(r"(sk-sy-[A-Za-z0-9_\-]+)", output).group(1)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
+        hard_prompt = ("Prove that there are infinitely many primes p such that p + 2 is also prime, "
+                       "or give the strongest known partial result with a rigorous proof sketch.")
+        for prompt in ("hi there!", hard_prompt):
+            client.chat.completions.create(model="auto", messages=[{"role": "user", "content": prompt}],
+                                           max_tokens=8)
     finally:
         process.send_signal(signal.SIGINT)
         process.communicate(timeout=60)
     engine = sa.create_engine(f"sqlite:///{tmp_path / 'data' / 'switchyard.db'}")
     with engine.connect() as conn:
-        rows = [dict(r._mapping) for r in conn.execute(sa.text("SELECT * FROM cost_ledger"))]
+        rows = [dict(r._mapping) for r in conn.execute(sa.text("SELECT * FROM cost_ledger ORDER BY created_at"))]
     engine.dispose()
-    assert len(rows) == 1
+    assert len(rows) == 3
+    easy, hard = rows[1], rows[2]
+    assert easy["route"] == hard["route"] == "auto"
+    assert easy["threshold"] is not None and easy["difficulty"] < easy["threshold"]
+    assert easy["backend"] == "local" and easy["route_reason"] == "difficulty_easy"
+    assert hard["difficulty"] > easy["difficulty"]
+    if hard["difficulty"] >= hard["threshold"]:  # sent to the API, which has no key here: the engine takes over
+        assert hard["backend"] == "local" and hard["route_reason"] == "fallback"
     row = rows[0]
     assert row["route"] == "demo" and row["backend"] == "local" and row["status"] == "ok"
     assert row["cost_basis"] == "gpu_amortized" and row["gpu_seconds"] > 0
