@@ -1,6 +1,8 @@
 /* CPU kernels for the engine's memory-bound hot paths, compiled at first use by kernels/cpu_native.py:
  *   sy_decode_attention  paged decode attention, each cached K/V row read once (fp32 or bf16 cache)
  *   sy_linear_f32        y = x W^T (+ b) for a few rows of x, streaming W once in memory order
+ *   sy_rotary_f32        HF rotate_half rotary embedding of q and k into new contiguous tensors
+ *   sy_store_kv_f32      scatter new K/V rows into their cache slots
  * Math is fp32. Parallel loops use the OpenMP runtime torch itself loaded (the same libgomp.so.1), so
  * they share torch's threads. Written for GCC >= 12 / clang vector extensions; any failure to build
  * makes the engine fall back to the torch reference. */
@@ -92,11 +94,12 @@ static inline void prefetch_block(const void *cache, int elem, int64_t blk, int6
 }
 
 /* Decode attention for one sequence and all its heads, every cached K/V row read once in block order.
- * q: [Hq, D] fp32, pre-scaled; out: [Hq, D]; scores: [Hq, round_up(len, 16)] scratch. D % 16 == 0.
+ * q: head j at q + j * q_sh (fp32, contiguous D); scores are scaled by `scale`; out: [Hq, D] contiguous;
+ * scores: [Hq, round_up(len, 16)] scratch. D % 16 == 0.
  * Returns 0, or 1 if a block id is out of range (nothing is read from it). */
-static int decode_seq(const float *q, const void *kc, const void *vc, int is_bf16, int64_t sb, int64_t so,
-                      int64_t sh, const int32_t *table, int64_t num_blocks, int block_size, int len, int Hq,
-                      int Hkv, int D, float *scores, float *out) {
+static int decode_seq(const float *q, int64_t q_sh, float scale, const void *kc, const void *vc, int is_bf16,
+                      int64_t sb, int64_t so, int64_t sh, const int32_t *table, int64_t num_blocks, int block_size,
+                      int len, int Hq, int Hkv, int D, float *scores, float *out) {
     float acc[MAX_Q_HEADS * MAX_HEAD_DIM] __attribute__((aligned(64)));
     float conv[MAX_BLOCK_ROW] __attribute__((aligned(64)));
     v16 part[16];
@@ -118,7 +121,7 @@ static int decode_seq(const float *q, const void *kc, const void *vc, int is_bf1
             for (int h = 0; h < Hkv; h++)
                 for (int g = 0; g < G; g++) {
                     const int j = h * G + g;
-                    const float *qj = q + (int64_t)j * D;
+                    const float *qj = q + (int64_t)j * q_sh;
                     for (int t = 0; t < 16; t++) {
                         v16 a = {0};
                         if (t < m) {
@@ -127,7 +130,7 @@ static int decode_seq(const float *q, const void *kc, const void *vc, int is_bf1
                         }
                         part[t] = a;
                     }
-                    v16 s = transpose_sum16(part);
+                    v16 s = transpose_sum16(part) * scale;
                     memcpy(scores + (int64_t)j * ld_s + i * block_size + t0, &s, sizeof(float) * m);
                 }
         }
@@ -185,22 +188,32 @@ static int decode_seq(const float *q, const void *kc, const void *vc, int is_bf1
 #undef NEXT_ROWS
 }
 
-/* Paged decode attention. q, out: [B, Hq, D] fp32 contiguous, q already multiplied by the softmax scale.
+/* Paged decode attention. q: fp32, element (b, j, d) at b*q_sb + j*q_sh + d; out: [B, Hq, D] fp32 contiguous;
+ * softmax(scale * q.k).
  * Caches (fp32, or bf16 when is_bf16): element (block, offset, head, d) at block*sb + offset*so + head*sh + d.
- * tables: int32 [B, table_stride]; lens: int32 [B]; scratch: [threads, scratch_stride] fp32 with
- * scratch_stride >= Hq * round_up(max len, 16). len <= 0 gives zeros.
- * Returns 0; 1 if a block id was out of range; 2 if the shape is unsupported. */
-int sy_decode_attention(const float *q, const void *k_cache, const void *v_cache, int is_bf16, int64_t sb,
+ * tables: int32, row b at tables + b * table_stride, table_width entries used; lens: int32 [B];
+ * scratch: [threads, scratch_stride] fp32 with
+ * scratch_stride >= Hq * round_up(max len, 16) (checked: the caller may size it from a cached max).
+ * len <= 0 gives zeros. Returns 0; 1 if a block id was out of range; 2 if the shape is unsupported;
+ * 3 if a length needs more table columns than table_width or more scratch than scratch_stride. */
+int sy_decode_attention(const float *q, int64_t q_sb, int64_t q_sh, float scale, const void *k_cache,
+                        const void *v_cache, int is_bf16, int64_t sb,
                         int64_t so, int64_t sh, int64_t num_blocks, int block_size, const int32_t *tables,
-                        int64_t table_stride, const int32_t *lens, int B, int Hq, int Hkv, int D, float *out,
+                        int64_t table_stride, int64_t table_width, const int32_t *lens, int B, int Hq, int Hkv,
+                        int D, float *out,
                         float *scratch, int64_t scratch_stride, int threads) {
     if (D % 16 || D > MAX_HEAD_DIM || Hq > MAX_Q_HEADS || Hkv <= 0 || Hq % Hkv ||
         (is_bf16 && (int64_t)block_size * Hkv * D > MAX_BLOCK_ROW))
         return 2;
-    int bad = 0;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(| : bad)
     for (int b = 0; b < B; b++) {
-        const float *qb = q + (int64_t)b * Hq * D;
+        const int64_t len = lens[b] > 0 ? lens[b] : 0;
+        if ((len + block_size - 1) / block_size > table_width || (len + 15) / 16 * 16 * Hq > scratch_stride)
+            return 3;
+    }
+    int bad = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(| : bad) if (B > 1)
+    for (int b = 0; b < B; b++) {
+        const float *qb = q + (int64_t)b * q_sb;
         float *ob = out + (int64_t)b * Hq * D;
         const int len = lens[b];
         if (len <= 0) {
@@ -212,7 +225,7 @@ int sy_decode_attention(const float *q, const void *k_cache, const void *v_cache
 #else
         float *scores = scratch;
 #endif
-        bad |= decode_seq(qb, k_cache, v_cache, is_bf16, sb, so, sh, tables + (int64_t)b * table_stride,
+        bad |= decode_seq(qb, q_sh, scale, k_cache, v_cache, is_bf16, sb, so, sh, tables + (int64_t)b * table_stride,
                           num_blocks, block_size, len, Hq, Hkv, D, scores, ob);
     }
     return bad;
@@ -224,7 +237,7 @@ int sy_decode_attention(const float *q, const void *k_cache, const void *v_cache
 void sy_linear_f32(const float *x, int64_t x_stride, const float *w, int64_t w_stride, const float *bias,
                    float *y, int64_t y_stride, int M, int64_t N, int64_t K, int threads) {
     const int64_t kv = K - K % 64;
-#pragma omp parallel for schedule(static) num_threads(threads)
+#pragma omp parallel for schedule(static) num_threads(threads) if (N * K >= 65536)
     for (int64_t n = 0; n < N; n++) {
         const float *wr = w + n * w_stride;
         for (int m = 0; m < M; m++) {
@@ -243,4 +256,59 @@ void sy_linear_f32(const float *x, int64_t x_stride, const float *w, int64_t w_s
             y[m * y_stride + n] = bias ? s + bias[n] : s;
         }
     }
+}
+
+/* Rotary embedding (HF rotate_half / NeoX): for each token t and head h of x (q then k),
+ * out[..., :D/2] = x1*cos - x2*sin, out[..., D/2:] = x2*cos + x1*sin, with cos/sin = cos_sin[pos[t]] (first
+ * half cos, second half sin). No FMA contraction, so results equal the torch reference's separate
+ * multiply and add. x rows: element (t, h, d) at t*x_st + h*x_sh + d; out contiguous [T, H, D].
+ * Returns 0, or 1 if a position is outside [0, max_position). */
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+static int rotary_one(const float *x, int64_t x_st, int64_t x_sh, int T, int H, int D, const int64_t *pos,
+                      const float *cos_sin, int64_t max_position, float *out) {
+    const int half = D / 2;
+    for (int t = 0; t < T; t++) {
+        if (pos[t] < 0 || pos[t] >= max_position) return 1;
+        const float *cs = cos_sin + pos[t] * D;
+        for (int h = 0; h < H; h++) {
+            const float *xr = x + t * x_st + h * x_sh;
+            float *o = out + ((int64_t)t * H + h) * D;
+            for (int i = 0; i < half; i++) {
+                const float a = xr[i] * cs[i], b = xr[i + half] * cs[half + i];
+                const float c = xr[i + half] * cs[i], d = xr[i] * cs[half + i];
+                o[i] = a - b;
+                o[i + half] = c + d;
+            }
+        }
+    }
+    return 0;
+}
+
+int sy_rotary_f32(const float *q, int64_t q_st, int64_t q_sh, int Hq, const float *k, int64_t k_st, int64_t k_sh,
+                  int Hkv, int T, int D, const int64_t *pos, const float *cos_sin, int64_t max_position,
+                  float *q_out, float *k_out) {
+    return rotary_one(q, q_st, q_sh, T, Hq, D, pos, cos_sin, max_position, q_out) |
+           rotary_one(k, k_st, k_sh, T, Hkv, D, pos, cos_sin, max_position, k_out);
+}
+
+/* k_cache/v_cache slot s (= block * block_size + offset) <- key/value row t for s = slots[t] >= 0.
+ * Rows: element (t, h, d) at t*st + h*sh + d; caches (block, offset, h, d) at block*cb + offset*co + h*ch + d.
+ * Returns 0, or 1 (nothing written) if a slot is beyond the pool. */
+int sy_store_kv_f32(const float *key, const float *value, int64_t st, int64_t sh, float *k_cache, float *v_cache,
+                    int64_t cb, int64_t co, int64_t ch, int64_t num_slots, int block_size, const int64_t *slots,
+                    int T, int H, int D) {
+    for (int t = 0; t < T; t++)
+        if (slots[t] >= num_slots) return 1;
+    for (int t = 0; t < T; t++) {
+        const int64_t s = slots[t];
+        if (s < 0) continue;
+        const int64_t base = (s / block_size) * cb + (s % block_size) * co;
+        for (int h = 0; h < H; h++) {
+            memcpy(k_cache + base + h * ch, key + t * st + h * sh, sizeof(float) * D);
+            memcpy(v_cache + base + h * ch, value + t * st + h * sh, sizeof(float) * D);
+        }
+    }
+    return 0;
 }

@@ -25,6 +25,7 @@ import threading
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
@@ -136,34 +137,44 @@ def _cpu_identity() -> str:
 
 
 def _declare(lib: ctypes.CDLL) -> None:
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.sy_decode_attention.argtypes = [p, p, p, i32, i64, i64, i64, i64, i32, p, i64, p, i32, i32, i32, i32, p,
-                                        p, i64, i32]
+    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    lib.sy_decode_attention.argtypes = [p, i64, i64, f32, p, p, i32, i64, i64, i64, i64, i32, p, i64, i64, p, i32,
+                                        i32, i32, i32, p, p, i64, i32]
     lib.sy_decode_attention.restype = i32
     lib.sy_linear_f32.argtypes = [p, i64, p, i64, p, p, i64, i32, i64, i64, i32]
     lib.sy_linear_f32.restype = None
+    lib.sy_rotary_f32.argtypes = [p, i64, i64, i32, p, i64, i64, i32, i32, i32, p, p, i64, p, p]
+    lib.sy_rotary_f32.restype = i32
+    lib.sy_store_kv_f32.argtypes = [p, p, i64, i64, p, p, i64, i64, i64, i64, i32, p, i32, i32, i32]
+    lib.sy_store_kv_f32.restype = i32
 
 
 # --------------------------------------------------------------------------- wrappers
+# Each returns None (or False) when it cannot take the call, and the caller (kernels.ops) uses the torch
+# reference instead. They are on the per-layer path of every decode step, so checks are kept to what
+# memory safety needs; the C side re-checks indices against the pool.
 
 _MAX_Q_HEADS, _MAX_HEAD_DIM, _MAX_BLOCK_ROW = 128, 256, 16384  # as in cpu_native.c
+_F32, _BF16, _I32, _I64 = torch.float32, torch.bfloat16, torch.int32, torch.int64
 
 
-class _Scratch(threading.local):
+class _PerThread(threading.local):
     def __init__(self) -> None:
-        self.buf: torch.Tensor | None = None
-        self.inference: bool = False
+        self.scores: torch.Tensor | None = None  # decode attention scratch
+        self.scores_inference = False
+        self.lens: torch.Tensor | None = None  # context_lens of the last call and its max (a step's layers share it)
+        self.max_len = 0
 
 
-_scratch = _Scratch()
+_local = _PerThread()
 
 
 def _scores_buffer(numel: int) -> torch.Tensor:
     inference = torch.is_inference_mode_enabled()
-    s = _scratch
-    if s.buf is None or s.buf.numel() < numel or s.inference != inference:
-        s.buf, s.inference = torch.empty(numel, dtype=torch.float32), inference
-    return s.buf
+    s = _local
+    if s.scores is None or s.scores.numel() < numel or s.scores_inference != inference:
+        s.scores, s.scores_inference = torch.empty(max(numel, 1 << 16), dtype=_F32), inference
+    return s.scores
 
 
 def paged_decode_attention(
@@ -174,57 +185,161 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor | None:
-    """As kernels.ops.paged_decode_attention, or None when this path cannot take the call (the caller
-    then uses the reference). Raises ValueError for a block table entry outside the pool."""
+    """As kernels.ops.paged_decode_attention (fp32 or bf16 caches, head_dim a multiple of 16), or None.
+    Raises ValueError for a block table entry outside the pool or a table too narrow for a length."""
     lib = library()
-    if lib is None or q.device.type != "cpu" or k_cache.device.type != "cpu" or q.requires_grad:
+    if lib is None or q.requires_grad or q.device.type != "cpu" or k_cache.device.type != "cpu":
         return None
     batch, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
-    if (k_cache.dtype not in (torch.float32, torch.bfloat16) or v_cache.dtype != k_cache.dtype
-            or k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1
-            or head_dim % 16 or head_dim > _MAX_HEAD_DIM or num_q_heads > _MAX_Q_HEADS
-            or (k_cache.dtype == torch.bfloat16 and block_size * num_kv_heads * head_dim > _MAX_BLOCK_ROW)):
+    cache_dtype = k_cache.dtype
+    if (cache_dtype not in (_F32, _BF16) or v_cache.dtype != cache_dtype or k_cache.stride() != v_cache.stride()
+            or k_cache.stride(3) != 1 or head_dim % 16 or head_dim > _MAX_HEAD_DIM
+            or num_q_heads > _MAX_Q_HEADS
+            or (cache_dtype == _BF16 and block_size * num_kv_heads * head_dim > _MAX_BLOCK_ROW)):
         return None
-    out = torch.empty(batch, num_q_heads, head_dim, dtype=torch.float32)
+    out = torch.empty(batch, num_q_heads, head_dim, dtype=_F32)
     if batch == 0:
         return out.to(q.dtype)
-    lens = context_lens.to(torch.int32).contiguous()
-    tables = block_tables.to(torch.int32).contiguous()
-    max_len = int(lens.max())
-    if max_len > tables.shape[1] * block_size:
-        raise ValueError(f"paged_decode_attention: context length {max_len} needs more blocks than the "
-                         f"{tables.shape[1]} columns of block_tables")
-    qs = (q.float() * scale).contiguous()
+    qf = q if q.dtype == _F32 and q.stride(2) == 1 else q.float().contiguous()
+    lens = context_lens if context_lens.dtype == _I32 and context_lens.is_contiguous() else \
+        context_lens.to(_I32).contiguous()
+    tables = block_tables if block_tables.dtype == _I32 and block_tables.is_contiguous() else \
+        block_tables.to(_I32).contiguous()
+    st = _local
+    if context_lens is not st.lens:  # a new step (the C side checks every length against the sizes used)
+        st.lens, st.max_len = context_lens, max(int(lens.max()), 1)
     threads = max(1, torch.get_num_threads())
-    per_thread = num_q_heads * ((max_len + 15) // 16 * 16)
-    scores = _scores_buffer(threads * per_thread)
-    rc = lib.sy_decode_attention(
-        qs.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), num_blocks, block_size, tables.data_ptr(),
-        tables.stride(0), lens.data_ptr(), batch, num_q_heads, num_kv_heads, head_dim, out.data_ptr(),
-        scores.data_ptr(), per_thread, threads)
+    for attempt in range(2):
+        per_thread = num_q_heads * ((st.max_len + 15) // 16 * 16)
+        scores = _scores_buffer(threads * per_thread)
+        rc = lib.sy_decode_attention(
+            qf.data_ptr(), qf.stride(0), qf.stride(1), scale, k_cache.data_ptr(), v_cache.data_ptr(),
+            int(cache_dtype == _BF16), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), num_blocks,
+            block_size, tables.data_ptr(), tables.stride(0), tables.shape[1], lens.data_ptr(), batch, num_q_heads,
+            num_kv_heads,
+            head_dim, out.data_ptr(), scores.data_ptr(), per_thread, threads)
+        if rc != 3 or attempt:
+            break
+        st.max_len = max(int(lens.max()), 1)  # lengths changed in place since they were cached: re-read
     if rc == 1:
         raise ValueError(f"paged_decode_attention: a block table entry is outside the pool of {num_blocks} blocks")
+    if rc == 3:
+        raise ValueError(f"paged_decode_attention: context length {int(lens.max())} needs more blocks than "
+                         f"the {tables.shape[1]} columns of block_tables")
     if rc != 0:
         return None
-    return out if q.dtype == torch.float32 else out.to(q.dtype)
+    return out if q.dtype == _F32 else out.to(q.dtype)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """x [M, K] @ weight[N, K]^T (+ bias) in fp32 for M <= LINEAR_MAX_ROWS; None when not applicable."""
-    if (x.dim() != 2 or x.shape[0] > LINEAR_MAX_ROWS or x.shape[0] == 0 or x.dtype != torch.float32
-            or weight.dtype != torch.float32 or x.device.type != "cpu" or weight.device.type != "cpu"
+    if (x.dim() != 2 or x.shape[0] > LINEAR_MAX_ROWS or x.shape[0] == 0 or x.dtype != _F32
+            or weight.dtype != _F32 or x.device.type != "cpu" or weight.device.type != "cpu"
             or x.stride(1) != 1 or weight.stride(1) != 1 or weight.dim() != 2 or weight.shape[1] != x.shape[1]
-            or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()))
+            or (bias is not None and (bias.dtype != _F32 or not bias.is_contiguous()
+                                      or bias.shape != (weight.shape[0],)))
             or x.requires_grad or weight.requires_grad):
         return None
     lib = library()
     if lib is None:
         return None
     rows, n = x.shape[0], weight.shape[0]
-    y = torch.empty(rows, n, dtype=torch.float32)
+    y = torch.empty(rows, n, dtype=_F32)
     lib.sy_linear_f32(x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
                       bias.data_ptr() if bias is not None else None, y.data_ptr(), y.stride(0), rows, n,
                       x.shape[1], max(1, torch.get_num_threads()))
     return y
+
+
+class PackedLinear:
+    """A CPU fp32 projection prepared once (kernels.ops.prepack_linear): the native GEMV for a few rows, the
+    weight in oneDNN's blocked layout for more (MKL re-packs the weight on every call), and the checks
+    done up front so the per-call path is short. Holds references to weight and bias: it stays valid while
+    their storage does (do not replace them in place after packing)."""
+
+    __slots__ = ("_b", "_lib", "_w", "_ws", "bias", "gemv_rows", "k", "n", "onednn", "weight")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, onednn: torch.Tensor | None,
+                 lib: ctypes.CDLL | None) -> None:
+        self.weight, self.bias, self.onednn, self._lib = weight, bias, onednn, lib
+        self.n, self.k = weight.shape
+        # Rows up to which the GEMV beats oneDNN's packed GEMM (interleaved measurements: 2), or MKL (4).
+        self.gemv_rows = 0 if lib is None else (2 if onednn is not None else LINEAR_MAX_ROWS)
+        self._w, self._ws = weight.data_ptr(), weight.stride(0)
+        self._b = bias.data_ptr() if bias is not None else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[1] == self.k and x.dtype == _F32 and not x.requires_grad:
+            rows = x.shape[0]
+            if 0 < rows <= self.gemv_rows and x.stride(1) == 1:
+                y = torch.empty(rows, self.n, dtype=_F32)
+                self._lib.sy_linear_f32(x.data_ptr(), x.stride(0), self._w, self._ws, self._b, y.data_ptr(), self.n,
+                                        rows, self.n, self.k, max(1, torch.get_num_threads()))
+                return y
+            if self.onednn is not None and rows > 0:
+                return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.onednn, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear | None:
+    """PackedLinear for a CPU fp32 weight [N, K] (row-major) and optional bias [N]; None if not applicable."""
+    if (weight.device.type != "cpu" or weight.dtype != _F32 or weight.dim() != 2 or weight.stride(1) != 1
+            or weight.requires_grad
+            or (bias is not None and (bias.dtype != _F32 or not bias.is_contiguous()
+                                      or bias.shape != (weight.shape[0],)))):
+        return None
+    onednn = None
+    if torch.backends.mkldnn.is_available():
+        try:
+            onednn = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+        except (RuntimeError, AttributeError):  # an op this torch build lacks
+            onednn = None
+    lib = library()
+    if onednn is None and lib is None:
+        return None
+    return PackedLinear(weight, bias, onednn, lib)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                 cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """As kernels.ops.apply_rotary for fp32 on CPU (new contiguous tensors), or None."""
+    lib = library()
+    if (lib is None or q.dtype != _F32 or k.dtype != _F32 or cos_sin.dtype != _F32 or positions.dtype != _I64
+            or q.device.type != "cpu" or k.device.type != "cpu" or cos_sin.device.type != "cpu"
+            or q.dim() != 3 or k.dim() != 3 or q.stride(2) != 1 or k.stride(2) != 1 or not cos_sin.is_contiguous()
+            or not positions.is_contiguous() or q.requires_grad or k.requires_grad):
+        return None
+    tokens, num_q_heads, head_dim = q.shape
+    if (k.shape[0] != tokens or k.shape[2] != head_dim or head_dim % 2 or cos_sin.dim() != 2
+            or cos_sin.shape[1] != head_dim or positions.shape != (tokens,)):
+        return None
+    q_out = torch.empty(q.shape, dtype=_F32)
+    k_out = torch.empty(k.shape, dtype=_F32)
+    rc = lib.sy_rotary_f32(q.data_ptr(), q.stride(0), q.stride(1), num_q_heads, k.data_ptr(), k.stride(0),
+                           k.stride(1), k.shape[1], tokens, head_dim, positions.data_ptr(), cos_sin.data_ptr(),
+                           cos_sin.shape[0], q_out.data_ptr(), k_out.data_ptr())
+    if rc:
+        raise IndexError(f"apply_rotary: a position is outside the rotary table of {cos_sin.shape[0]} positions")
+    return q_out, k_out
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> bool:
+    """As kernels.ops.store_kv for fp32 on CPU; False (nothing done) when not applicable."""
+    lib = library()
+    if (lib is None or key.dtype != _F32 or value.dtype != _F32 or k_cache.dtype != _F32 or v_cache.dtype != _F32
+            or slot_mapping.dtype != _I64 or not slot_mapping.is_contiguous() or key.device.type != "cpu"
+            or k_cache.device.type != "cpu" or key.stride() != value.stride() or key.stride(2) != 1
+            or k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1 or k_cache.dim() != 4
+            or key.shape[1:] != k_cache.shape[2:] or key.shape != value.shape
+            or slot_mapping.shape != (key.shape[0],)):
+        return False
+    num_blocks, block_size, heads, head_dim = k_cache.shape
+    rc = lib.sy_store_kv_f32(key.data_ptr(), value.data_ptr(), key.stride(0), key.stride(1), k_cache.data_ptr(),
+                             v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                             num_blocks * block_size, block_size, slot_mapping.data_ptr(), key.shape[0], heads,
+                             head_dim)
+    if rc:
+        raise IndexError(f"store_kv: a slot is beyond the cache's {num_blocks * block_size} slots")
+    return True

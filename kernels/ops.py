@@ -3,8 +3,8 @@
 Dispatch (the variable is looked at per call, so tests can flip it):
   SWITCHYARD_KERNELS unset/"auto": CUDA tensors -> Triton (when triton imports); CPU tensors -> the
                                     compiled CPU kernels of kernels/cpu_native.py where they apply
-                                    (decode attention, few-row fp32 linear), else the plain-torch reference
-                                    (vectorised; the rest of the engine's CPU path).
+                                    (decode attention, fp32 rotary / KV write / few-row linear), else the
+                                    plain-torch reference (vectorised; the rest of the engine's CPU path).
   SWITCHYARD_KERNELS=triton:        Triton always (on CPU this needs TRITON_INTERPRET=1 and is slow).
   SWITCHYARD_KERNELS=reference:     the reference always (SWITCHYARD_CPU_NATIVE=0 only turns the native
                                     CPU kernels off).
@@ -124,7 +124,7 @@ def store_kv(
         )
     if _use_triton(key):
         _triton_module().store_kv(key, value, k_cache, v_cache, slot_mapping)
-    else:
+    elif not (_native_cpu(key) and cpu_native.store_kv(key, value, k_cache, v_cache, slot_mapping)):
         reference.store_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
@@ -218,43 +218,38 @@ def apply_rotary(
     """Rotate q [T, Hq, D] and k [T, Hkv, D] at positions [T] (HF rotate_half style); new tensors."""
     if _use_triton(q):
         return _triton_module().apply_rotary(q, k, positions, cos_sin)
+    if _native_cpu(q):
+        out = cpu_native.apply_rotary(q, k, positions, cos_sin)
+        if out is not None:
+            return out
     return reference.apply_rotary(q, k, positions, cos_sin)
 
 
 # --------------------------------------------------------------------------- linear
 
 
-# Rows up to which the native GEMV beats oneDNN with a prepacked weight (measured, interleaved runs).
-_GEMV_ROWS_WITH_PACKED = 2
-
-
-def prepack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """weight [N, K] copied into oneDNN's blocked layout, for ops.linear(..., packed=) on CPU fp32. MKL re-packs
-    the weight on every call (~15% of a batch-64 decode step); with the packing done once, oneDNN ran
-    1.2-1.9x MKL's GEMM rate for 4-2048 rows here. None where it does not apply (CUDA, other dtypes, no
-    oneDNN). The copy costs as much memory as the weight."""
-    if (weight.is_cuda or weight.dtype != torch.float32 or weight.dim() != 2 or backend_mode() != "auto"
-            or not torch.backends.mkldnn.is_available()):
+def prepack_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> cpu_native.PackedLinear | None:
+    """Prepare a dense projection once for ops.linear(..., packed=) on CPU fp32: the native GEMV for a few
+    rows; for more, a copy of the weight in oneDNN's blocked layout (MKL re-packs the weight on every call,
+    ~15% of a batch-64 decode step; packed once, oneDNN ran 1.2-1.9x MKL's rate for 4-2048 rows here).
+    The copy costs as much memory as the weight. None where it does not apply (CUDA, other dtypes)."""
+    if weight.is_cuda or backend_mode() != "auto":
         return None
-    try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-    except (RuntimeError, AttributeError):  # an op this torch build lacks
-        return None
+    return cpu_native.pack_linear(weight, bias)
 
 
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
-    packed: torch.Tensor | None = None,
+    packed: cpu_native.PackedLinear | None = None,
 ) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T (+ bias) -> [M, N], a dense projection. On CPU (auto mode): fp32 with a few
-    rows (decode at small batch: the weights stream from memory) -> the native GEMV; more rows with a
-    `packed` weight from prepack_linear_weight -> oneDNN; otherwise torch's matmul (cuBLAS / MKL)."""
+    """x [M, K] @ weight [N, K]^T (+ bias) -> [M, N], a dense projection. On CPU (auto mode) with `packed`
+    from prepack_linear(weight, bias): the native GEMV for a few rows, oneDNN above. Without it: the GEMV
+    for fp32 up to cpu_native.LINEAR_MAX_ROWS rows. Otherwise torch's matmul (cuBLAS / MKL)."""
     if _native_cpu(x):
-        if (packed is not None and x.dim() == 2 and x.shape[0] > _GEMV_ROWS_WITH_PACKED
-                and x.dtype == torch.float32):
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+        if packed is not None:
+            return packed(x)
         out = cpu_native.linear(x, weight, bias)
         if out is not None:
             return out

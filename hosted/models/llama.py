@@ -38,9 +38,9 @@ def _project(layer: Linear, x: torch.Tensor) -> torch.Tensor:
     return layer(x)
 
 
-# Linear (or the model, for the lm_head) -> its weight prepacked for the CPU GEMM, set by prepack_weights.
-# Weak keys: a model dropped is forgotten with its packed copies.
-_PACKED: weakref.WeakKeyDictionary[nn.Module, torch.Tensor] = weakref.WeakKeyDictionary()
+# Linear (or the model, for the lm_head) -> its projection prepared by ops.prepack_linear, set by
+# prepack_weights. Weak keys: a model dropped is forgotten with its packed copies.
+_PACKED: weakref.WeakKeyDictionary[nn.Module, object] = weakref.WeakKeyDictionary()
 
 
 class LlamaAttention(nn.Module):
@@ -120,18 +120,19 @@ class LlamaForCausalLM(nn.Module):
 
     def prepack_weights(self) -> int:
         """Keep a copy of every full-precision projection weight (and the lm_head) in the CPU GEMM's packed
-        layout (ops.prepack_linear_weight); returns the bytes this adds (0 where packing does not apply)."""
+        layout (ops.prepack_linear); returns the bytes this adds (0 where packing does not apply)."""
         added = 0
-        targets: list[tuple[nn.Module, torch.Tensor]] = [
-            (m, m.weight) for m in self.modules() if isinstance(m, Linear) and m.quantization is None]
+        targets: list[tuple[nn.Module, torch.Tensor, torch.Tensor | None]] = [
+            (m, m.weight, m.bias) for m in self.modules() if isinstance(m, Linear) and m.quantization is None]
         if self.lm_head is None:
-            targets.append((self, self.lm_head_weight))
-        for owner, weight in targets:
-            packed = ops.prepack_linear_weight(weight)
+            targets.append((self, self.lm_head_weight, None))
+        for owner, weight, bias in targets:
+            packed = ops.prepack_linear(weight, bias)
             if packed is None:
                 continue
             _PACKED[owner] = packed
-            added += weight.numel() * weight.element_size()
+            if packed.onednn is not None:
+                added += weight.numel() * weight.element_size()
         return added
 
     def attention_layers(self) -> list[PagedAttention]:

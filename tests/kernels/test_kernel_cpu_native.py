@@ -111,6 +111,46 @@ def test_unsupported_shapes_fall_back_to_the_reference():
                                              kv16.context_lens, 0.3) is None
 
 
+def test_rotary_and_store_kv_match_the_reference():
+    # q/k/v as the engine makes them: views of one fused projection (row stride > heads * head_dim).
+    tokens, hq, hkv, d = 5, 4, 2, 16
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * d)
+    q = qkv[:, : hq * d].view(tokens, hq, d)
+    k = qkv[:, hq * d: (hq + hkv) * d].view(tokens, hkv, d)
+    v = qkv[:, (hq + hkv) * d:].view(tokens, hkv, d)
+    cos_sin = reference.rotary_cos_sin(d, 64, 10000.0, None)
+    positions = torch.tensor([0, 3, 63, 7, 7])
+    got = cpu_native.apply_rotary(q, k, positions, cos_sin)
+    want = reference.apply_rotary(q, k, positions, cos_sin)
+    assert got is not None
+    torch.testing.assert_close(got[0], want[0], atol=0, rtol=0)  # same fp32 operations, no FMA contraction
+    torch.testing.assert_close(got[1], want[1], atol=0, rtol=0)
+    with pytest.raises(IndexError):
+        cpu_native.apply_rotary(q, k, torch.tensor([0, 1, 64, 2, 3]), cos_sin)
+
+    pool = torch.zeros(2, 2, 6, 4, hkv, d)  # [layers, k/v, blocks, block, Hkv, D]
+    want_k, want_v = pool[1, 0].clone(), pool[1, 1].clone()
+    slots = torch.tensor([9, -1, 0, 23, 5])
+    assert cpu_native.store_kv(k, v, pool[1, 0], pool[1, 1], slots)
+    reference.store_kv(k, v, want_k, want_v, slots)
+    assert torch.equal(pool[1, 0], want_k) and torch.equal(pool[1, 1], want_v)
+    assert not pool[0].any()  # the other layer is untouched
+    with pytest.raises(IndexError):
+        cpu_native.store_kv(k, v, pool[1, 0], pool[1, 1], torch.tensor([0, 1, 24, 2, 3]))
+    assert not cpu_native.store_kv(k.bfloat16(), v.bfloat16(), pool[1, 0].bfloat16(), pool[1, 1].bfloat16(), slots)
+
+
+def test_packed_linear_paths_match_torch():
+    w, b = torch.randn(70, 48), torch.randn(70)
+    packed = ops.prepack_linear(w, b)
+    assert packed is not None
+    for rows in (1, 2, 3, 9, 300):
+        x = torch.randn(rows, 48)
+        torch.testing.assert_close(ops.linear(x, w, b, packed), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+    x = torch.randn(48, 3).t()  # column-major input: copied for oneDNN
+    torch.testing.assert_close(ops.linear(x, w, b, packed), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+
+
 def test_ops_dispatch_and_switches(monkeypatch):
     kv = make_paged_kv([21, 6], 1, 16, 4, torch.float32, seed=1)
     q = torch.randn(2, 2, 16)
