@@ -93,23 +93,116 @@ static inline void prefetch_block(const void *cache, int elem, int64_t blk, int6
         }
 }
 
+/* The two inner loops of decode attention, for a tile of GT query heads sharing one kv head, with head_dim
+ * = 16 * CH. Called with literal GT and CH (see the dispatchers) so that, inlined, the q vectors and the
+ * accumulators live in registers and every token offers GT * CH independent FMAs. */
+#define MAX_GT 4
+#define MAX_CH 16
+
+/* scores[g * ld_s + t] = scale * q_g . k_t for the m (<= 16) tokens at k, k + rs, ... */
+static inline __attribute__((always_inline)) void qk_tile(const float *q, int64_t q_sh, const float *k, int64_t rs,
+                                                          int m, int GT, int CH, float scale, float *scores,
+                                                          int64_t ld_s) {
+    if (CH < 1) __builtin_unreachable(); /* head_dim >= 16, checked at entry */
+    v16 qv[MAX_GT][MAX_CH], part[MAX_GT][16];
+    for (int g = 0; g < GT; g++)
+        for (int c = 0; c < CH; c++) qv[g][c] = ld(q + g * q_sh + 16 * c);
+    for (int t = 0; t < 16; t++) {
+        if (t < m) {
+            v16 kv[MAX_CH];
+            for (int c = 0; c < CH; c++) kv[c] = ld(k + t * rs + 16 * c);
+            for (int g = 0; g < GT; g++) {
+                v16 a = qv[g][0] * kv[0];
+                for (int c = 1; c < CH; c++) a += qv[g][c] * kv[c];
+                part[g][t] = a;
+            }
+        } else {
+            for (int g = 0; g < GT; g++) part[g][t] = (v16){0};
+        }
+    }
+    for (int g = 0; g < GT; g++) {
+        const v16 sc = transpose_sum16(part[g]) * scale;
+        memcpy(scores + g * ld_s, &sc, sizeof(float) * m);
+    }
+}
+
+/* acc[g * D + 16c ...] += sum_t p[g * ld_s + t] * v_t over the n tokens at v, v + rs, ... */
+static inline __attribute__((always_inline)) void pv_tile(const float *p, int64_t ld_s, const float *v, int64_t rs,
+                                                          int n, int GT, int CH, float *acc, int D) {
+    v16 a[MAX_GT][MAX_CH];
+    for (int g = 0; g < GT; g++)
+        for (int c = 0; c < CH; c++) a[g][c] = ld(acc + g * D + 16 * c);
+    for (int t = 0; t < n; t++) {
+        v16 vv[MAX_CH];
+        for (int c = 0; c < CH; c++) vv[c] = ld(v + t * rs + 16 * c);
+        for (int g = 0; g < GT; g++) {
+            const float w = p[g * ld_s + t];
+            for (int c = 0; c < CH; c++) a[g][c] += w * vv[c];
+        }
+    }
+    for (int g = 0; g < GT; g++)
+        for (int c = 0; c < CH; c++) *(v16 *)(acc + g * D + 16 * c) = a[g][c];
+}
+
+/* Query-head tile per head_dim: 4 heads at D = 64, 2 at D = 128 (16 accumulators), else 1 (generic code). */
+static inline int tile_of(int CH) { return CH <= 4 ? MAX_GT : CH <= 8 ? 2 : 1; }
+
+static void qk_dispatch(const float *q, int64_t q_sh, const float *k, int64_t rs, int m, int gt, int CH,
+                        float scale, float *scores, int64_t ld_s) {
+#define QK(GT, C) qk_tile(q, q_sh, k, rs, m, GT, C, scale, scores, ld_s)
+    if (CH == 4) {
+        switch (gt) {
+        case 1: QK(1, 4); return;
+        case 2: QK(2, 4); return;
+        case 3: QK(3, 4); return;
+        default: QK(4, 4); return;
+        }
+    }
+    if (CH == 8) {
+        if (gt == 1) QK(1, 8); else QK(2, 8);
+        return;
+    }
+    for (int g = 0; g < gt; g++)
+        qk_tile(q + g * q_sh, q_sh, k, rs, m, 1, CH, scale, scores + g * ld_s, ld_s);
+#undef QK
+}
+
+static void pv_dispatch(const float *p, int64_t ld_s, const float *v, int64_t rs, int n, int gt, int CH, float *acc,
+                        int D) {
+#define PV(GT, C) pv_tile(p, ld_s, v, rs, n, GT, C, acc, D)
+    if (CH == 4) {
+        switch (gt) {
+        case 1: PV(1, 4); return;
+        case 2: PV(2, 4); return;
+        case 3: PV(3, 4); return;
+        default: PV(4, 4); return;
+        }
+    }
+    if (CH == 8) {
+        if (gt == 1) PV(1, 8); else PV(2, 8);
+        return;
+    }
+    for (int g = 0; g < gt; g++) pv_tile(p + g * ld_s, ld_s, v, rs, n, 1, CH, acc + g * D, D);
+#undef PV
+}
+
 /* Decode attention for one sequence and all its heads, every cached K/V row read once in block order.
  * q: head j at q + j * q_sh (fp32, contiguous D); scores are scaled by `scale`; out: [Hq, D] contiguous;
- * scores: [Hq, round_up(len, 16)] scratch. D % 16 == 0.
+ * scores: [Hq, round_up(len, 16)] scratch. D % 16 == 0, D <= 16 * MAX_CH.
  * Returns 0, or 1 if a block id is out of range (nothing is read from it). */
 static int decode_seq(const float *q, int64_t q_sh, float scale, const void *kc, const void *vc, int is_bf16,
                       int64_t sb, int64_t so, int64_t sh, const int32_t *table, int64_t num_blocks, int block_size,
                       int len, int Hq, int Hkv, int D, float *scores, float *out) {
     float acc[MAX_Q_HEADS * MAX_HEAD_DIM] __attribute__((aligned(64)));
     float conv[MAX_BLOCK_ROW] __attribute__((aligned(64)));
-    v16 part[16];
-    const int G = Hq / Hkv, nblk = (len + block_size - 1) / block_size, ld_s = (len + 15) & ~15;
+    const int G = Hq / Hkv, CH = D / 16, GT = tile_of(CH);
+    const int nblk = (len + block_size - 1) / block_size, ld_s = (len + 15) & ~15;
     for (int i = 0; i < nblk; i++)
         if (table[i] < 0 || table[i] >= num_blocks) return 1;
 
     const int elem = is_bf16 ? 2 : 4;
 #define NEXT_ROWS(i) (len - (i) * block_size < block_size ? len - (i) * block_size : block_size)
-    /* scores[j, t] = q_j . k_t, 16 tokens at a time. */
+    /* scores[j, t] = scale * q_j . k_t, 16 tokens at a time. */
     prefetch_block(kc, elem, table[0], sb, so, sh, NEXT_ROWS(0), Hkv, D);
     for (int i = 0; i < nblk; i++) {
         const int n = NEXT_ROWS(i);
@@ -119,19 +212,10 @@ static int decode_seq(const float *q, int64_t q_sh, float scale, const void *kc,
         for (int t0 = 0; t0 < n; t0 += 16) {
             const int m = n - t0 < 16 ? n - t0 : 16;
             for (int h = 0; h < Hkv; h++)
-                for (int g = 0; g < G; g++) {
-                    const int j = h * G + g;
-                    const float *qj = q + (int64_t)j * q_sh;
-                    for (int t = 0; t < 16; t++) {
-                        v16 a = {0};
-                        if (t < m) {
-                            const float *kt = k + (t0 + t) * rs + h * hs;
-                            for (int d = 0; d < D; d += 16) a += ld(qj + d) * ld(kt + d);
-                        }
-                        part[t] = a;
-                    }
-                    v16 s = transpose_sum16(part) * scale;
-                    memcpy(scores + (int64_t)j * ld_s + i * block_size + t0, &s, sizeof(float) * m);
+                for (int g0 = 0; g0 < G; g0 += GT) {
+                    const int j = h * G + g0, gt = G - g0 < GT ? G - g0 : GT;
+                    qk_dispatch(q + (int64_t)j * q_sh, q_sh, k + t0 * rs + h * hs, rs, m, gt, CH, scale,
+                                scores + (int64_t)j * ld_s + i * block_size + t0, ld_s);
                 }
         }
     }
@@ -157,7 +241,7 @@ static int decode_seq(const float *q, int64_t q_sh, float scale, const void *kc,
         for (int i = 0; i < 16; i++) total += sum[i];
         inv[j] = 1.0f / total;
     }
-    /* out_j = sum_t p[j, t] v_t / sum_j */
+    /* out_j = sum_t p[j, t] v_t / sum_t p[j, t] */
     memset(acc, 0, sizeof(float) * Hq * D);
     prefetch_block(vc, elem, table[0], sb, so, sh, NEXT_ROWS(0), Hkv, D);
     for (int i = 0; i < nblk; i++) {
@@ -166,20 +250,10 @@ static int decode_seq(const float *q, int64_t q_sh, float scale, const void *kc,
         int64_t rs, hs;
         const float *v = block_rows(vc, is_bf16, table[i], sb, so, sh, n, Hkv, D, conv, &rs, &hs);
         for (int h = 0; h < Hkv; h++)
-            for (int g = 0; g < G; g++) {
-                const int j = h * G + g;
-                const float *pj = scores + (int64_t)j * ld_s + i * block_size;
-                float *aj = acc + (int64_t)j * D;
-                for (int d = 0; d < D; d += 16) {
-                    v16 a0 = *(v16 *)(aj + d), a1 = {0};
-                    int t = 0;
-                    for (; t + 1 < n; t += 2) {
-                        a0 += pj[t] * ld(v + t * rs + h * hs + d);
-                        a1 += pj[t + 1] * ld(v + (t + 1) * rs + h * hs + d);
-                    }
-                    if (t < n) a0 += pj[t] * ld(v + t * rs + h * hs + d);
-                    *(v16 *)(aj + d) = a0 + a1;
-                }
+            for (int g0 = 0; g0 < G; g0 += GT) {
+                const int j = h * G + g0, gt = G - g0 < GT ? G - g0 : GT;
+                pv_dispatch(scores + (int64_t)j * ld_s + i * block_size, ld_s, v + h * hs, rs, n, gt, CH,
+                            acc + (int64_t)j * D, D);
             }
     }
     for (int j = 0; j < Hq; j++)
@@ -202,7 +276,7 @@ int sy_decode_attention(const float *q, int64_t q_sb, int64_t q_sh, float scale,
                         int64_t table_stride, int64_t table_width, const int32_t *lens, int B, int Hq, int Hkv,
                         int D, float *out,
                         float *scratch, int64_t scratch_stride, int threads) {
-    if (D % 16 || D > MAX_HEAD_DIM || Hq > MAX_Q_HEADS || Hkv <= 0 || Hq % Hkv ||
+    if (D % 16 || D < 16 || D > MAX_HEAD_DIM || Hq > MAX_Q_HEADS || Hkv <= 0 || Hq % Hkv ||
         (is_bf16 && (int64_t)block_size * Hkv * D > MAX_BLOCK_ROW))
         return 2;
     for (int b = 0; b < B; b++) {

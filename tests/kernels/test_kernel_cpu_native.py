@@ -37,7 +37,10 @@ def test_builds_and_shares_torch_openmp_runtime():
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_kv_heads,group,head_dim", [(2, 1, 16), (1, 4, 32), (1, 8, 16), (3, 3, 64)])
+# head_dim 64 and 128 take the register-tiled paths (query-head tiles of 4 and 2, with remainders), others
+# the generic one.
+@pytest.mark.parametrize("num_kv_heads,group,head_dim",
+                         [(2, 1, 16), (1, 4, 32), (1, 8, 16), (3, 3, 64), (1, 5, 64), (1, 8, 64), (2, 3, 128), (1, 2, 80)])
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_decode_matches_dense(cache_dtype, num_kv_heads, group, head_dim, block_size):
     lens = [1, 7, 33, 18, 64]
