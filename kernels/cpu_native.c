@@ -16,6 +16,16 @@
 typedef float v16 __attribute__((vector_size(64), aligned(4))); /* 16 floats; unaligned loads allowed */
 typedef int32_t i16 __attribute__((vector_size(64)));
 
+/* Two-vector lane shuffle: clang and GCC >= 12 have __builtin_shufflevector, older GCC __builtin_shuffle. */
+#if defined(__has_builtin) && !defined(SY_USE_BUILTIN_SHUFFLE)
+#if __has_builtin(__builtin_shufflevector)
+#define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#endif
+#endif
+#ifndef SHUF
+#define SHUF(a, b, ...) __builtin_shuffle(a, b, (i16){__VA_ARGS__})
+#endif
+
 #define MAX_Q_HEADS 128
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK_ROW 16384 /* block_size * Hkv * D values converted per block for bf16 caches */
@@ -26,16 +36,16 @@ static inline v16 ld(const float *p) { return *(const v16 *)p; }
 static inline v16 transpose_sum16(const v16 *a) {
     v16 c[8], d[4], e[2];
     for (int i = 0; i < 8; i++)
-        c[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-               __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+        c[i] = SHUF(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               SHUF(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
     for (int i = 0; i < 4; i++)
-        d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-               __builtin_shufflevector(c[2 * i], c[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+        d[i] = SHUF(c[2 * i], c[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+               SHUF(c[2 * i], c[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
     for (int i = 0; i < 2; i++)
-        e[i] = __builtin_shufflevector(d[2 * i], d[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-               __builtin_shufflevector(d[2 * i], d[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-    return __builtin_shufflevector(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-           __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+        e[i] = SHUF(d[2 * i], d[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+               SHUF(d[2 * i], d[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return SHUF(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           SHUF(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
 /* exp(x) for x <= 0 (softmax arguments after subtracting the max), 16 lanes, within ~2 ulp:

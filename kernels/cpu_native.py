@@ -32,7 +32,10 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_native.c")
 # Small-M linear: above this many rows MKL's GEMM wins (measured on the SmolLM-135M shapes).
 LINEAR_MAX_ROWS = 4
-_FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11"]
+_FLAGS = ["-O3", "-shared", "-fPIC", "-std=gnu11"]
+# Tried in order: OpenMP shares torch's threads; -march=native enables AVX-512/AVX2 (the vector code also
+# builds without it, slower); a compiler lacking one of them still gets a working library.
+_VARIANTS = (["-march=native", "-fopenmp"], ["-march=native"], ["-fopenmp"], [])
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "lib": CDLL | None once resolved, "why": reason when None
@@ -78,8 +81,7 @@ def _resolve() -> tuple[ctypes.CDLL | None, str]:
     except (OSError, subprocess.SubprocessError) as exc:
         return None, f"{compiler}: {exc}"
     errors = []
-    # With OpenMP first (threads shared with torch's libgomp); without it the kernels run on one thread.
-    for extra in (["-fopenmp"], []):
+    for extra in _VARIANTS:
         flags = _FLAGS + extra
         key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(),
                                          _cpu_identity().encode()])).hexdigest()[:20]

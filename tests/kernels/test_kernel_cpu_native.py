@@ -196,3 +196,28 @@ def test_linear_strided_rows_and_fallbacks():
     assert cpu_native.linear(torch.randn(1, 96), w.t().contiguous().t()) is None  # column-major weight
     x5 = torch.randn(5, 96)
     torch.testing.assert_close(ops.linear(x5, w), F.linear(x5, w))
+
+
+def test_builds_into_an_empty_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("SWITCHYARD_CACHE_DIR", str(tmp_path))
+    cpu_native.reset()
+    assert cpu_native.library() is not None, cpu_native.unavailable_reason()
+    built = list((tmp_path / "kernels").glob("cpu_native-*.so"))
+    assert len(built) == 1 and not list((tmp_path / "kernels").glob("*.so.*"))  # no temp file left behind
+
+
+def test_without_a_compiler_everything_falls_back(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("SWITCHYARD_CACHE_DIR", str(tmp_path))
+    cpu_native.reset()
+    assert cpu_native.library() is None and "no-such-cc" in cpu_native.unavailable_reason()
+    assert "native CPU kernels unavailable" in caplog.text
+    kv = make_paged_kv([21, 6], 1, 16, 4, torch.float32, seed=1)
+    q = torch.randn(2, 2, 16)
+    got = ops.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens, 0.3)
+    torch.testing.assert_close(got.double(), dense_decode(q, kv, 0.3), atol=2e-5, rtol=0)
+    w, b = torch.randn(40, 32), torch.randn(40)
+    packed = ops.prepack_linear(w, b)  # oneDNN only (or None without oneDNN)
+    for rows in (1, 5):
+        x = torch.randn(rows, 32)
+        torch.testing.assert_close(ops.linear(x, w, b, packed), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
