@@ -117,7 +117,7 @@ def rms_norm(
         r2 = _last_dim_contiguous(residual.reshape(-1, hidden))
         new_res = torch.empty_like(out)
     else:
-        r2 = new_res = x2  # unused placeholders
+        r2 = new_res = x2  # not read when HAS_RESIDUAL is off; the kernel signature still takes tensors
     block_h = tc.next_pow2(hidden)
     if rows:
         _rms_norm_kernel[(rows,)](
