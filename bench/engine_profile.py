@@ -48,21 +48,22 @@ def build_model(directory: Path, layers: int) -> None:
     LlamaForCausalLM(cfg).save_pretrained(str(directory))
 
 
-def make_runner(model_dir: Path, batch: int, context: int, dtype: str):
+def make_runner(model_dir: Path, batch: int, context: int, dtype: str, headroom: int = 64):
     from hosted.config import EngineConfig, ModelConfig
     from hosted.model_runner import ModelRunner
     from hosted.sampler import Sampler
 
     mc = ModelConfig.from_dir(model_dir)
-    blocks = batch * (-(-(context + 64) // 16)) + 8
+    blocks = batch * (-(-(2 * context + headroom) // 16)) + 8
     cfg = EngineConfig(model_dir=str(model_dir), dtype=dtype, device="cpu", max_num_seqs=batch,
                        num_kv_blocks=blocks, max_model_len=2048)
     runner = ModelRunner(mc, cfg, 2048)
     return runner, Sampler(runner.device), mc
 
 
-def decode_batch(mc, batch: int, context: int, spread: float, seed: int):
-    """Sequences with `context` tokens (+/- spread), all but the last one already 'computed'."""
+def decode_batch(mc, batch: int, context: int, spread: float, seed: int, headroom: int = 64):
+    """Sequences with `context` tokens (+/- spread), all but the last one already 'computed', with blocks for
+    `headroom` more tokens each."""
     import random
 
     from hosted.sampling import SamplingParams
@@ -78,7 +79,7 @@ def decode_batch(mc, batch: int, context: int, spread: float, seed: int):
                        params=SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True), arrival=i)
         seq.status = SeqStatus.RUNNING
         seq.num_computed_tokens = n - 1
-        nblk = -(-(n + 64) // 16)
+        nblk = -(-(n + headroom) // 16)
         seq.block_table = list(range(next_block, next_block + nblk))
         next_block += nblk
         seqs.append(seq)
@@ -186,8 +187,9 @@ def main(argv: list[str] | None = None) -> int:
         build_model(model_dir, args.layers)
         for b in (int(x) for x in args.batches.split(",")):
             ctx = args.context_1 if b == 1 else args.context
-            runner, sampler, mc = make_runner(model_dir, b, ctx, args.dtype)
-            batch = decode_batch(mc, b, ctx, 0.0 if b == 1 else args.spread, seed=b)
+            headroom = args.steps + 8
+            runner, sampler, mc = make_runner(model_dir, b, ctx, args.dtype, headroom)
+            batch = decode_batch(mc, b, ctx, 0.0 if b == 1 else args.spread, seed=b, headroom=headroom)
             r = time_steps(runner, sampler, batch, args.steps)
             r["context_mean"] = statistics.mean(s.num_tokens for s, _ in batch.items)
             results["steps"][str(b)] = r
