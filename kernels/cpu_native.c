@@ -3,6 +3,7 @@
  *   sy_linear_f32        y = x W^T (+ b) for a few rows of x, streaming W once in memory order
  *   sy_rotary_f32        HF rotate_half rotary embedding of q and k into new contiguous tensors
  *   sy_store_kv_f32      scatter new K/V rows into their cache slots
+ *   sy_rms_norm_f32      RMSNorm fused with the residual add
  * Math is fp32. Parallel loops use the OpenMP runtime torch itself loaded (the same libgomp.so.1), so
  * they share torch's threads. Written for GCC >= 12 / clang vector extensions; any failure to build
  * makes the engine fall back to the torch reference. */
@@ -395,4 +396,32 @@ int sy_store_kv_f32(const float *key, const float *value, int64_t st, int64_t sh
         }
     }
     return 0;
+}
+
+/* RMSNorm, optionally fused with the residual add: s = x (+ res), out = w * (s * (1 / sqrt(mean(s^2) + eps))),
+ * new_res = s when res is given. Rows: element (t, i) at t*stride + i (x and res), contiguous outputs.
+ * fp32; the mean is summed in 16 lanes then across them (not torch's exact order: ~1 ulp apart). */
+void sy_rms_norm_f32(const float *x, int64_t x_stride, const float *res, int64_t res_stride, const float *w,
+                     float *out, float *new_res, int T, int H, float eps) {
+    const int hv = H - H % 16;
+    for (int t = 0; t < T; t++) {
+        const float *xr = x + t * x_stride;
+        const float *s = xr;
+        if (res) {
+            const float *rr = res + t * res_stride;
+            float *nr = new_res + (int64_t)t * H;
+            for (int i = 0; i < hv; i += 16) *(v16 *)(nr + i) = ld(xr + i) + ld(rr + i);
+            for (int i = hv; i < H; i++) nr[i] = xr[i] + rr[i];
+            s = nr;
+        }
+        v16 acc = {0};
+        for (int i = 0; i < hv; i += 16) acc += ld(s + i) * ld(s + i);
+        float sum = 0.0f;
+        for (int i = 0; i < 16; i++) sum += acc[i];
+        for (int i = hv; i < H; i++) sum += s[i] * s[i];
+        const float inv = 1.0f / sqrtf(sum / (float)H + eps);
+        float *o = out + (int64_t)t * H;
+        for (int i = 0; i < hv; i += 16) *(v16 *)(o + i) = ld(w + i) * (ld(s + i) * inv);
+        for (int i = hv; i < H; i++) o[i] = w[i] * (s[i] * inv);
+    }
 }

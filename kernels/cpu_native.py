@@ -149,6 +149,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sy_rotary_f32.restype = i32
     lib.sy_store_kv_f32.argtypes = [p, p, i64, i64, p, p, i64, i64, i64, i64, i32, p, i32, i32, i32]
     lib.sy_store_kv_f32.restype = i32
+    lib.sy_rms_norm_f32.argtypes = [p, i64, p, i64, p, p, p, i32, i32, f32]
+    lib.sy_rms_norm_f32.restype = None
 
 
 # --------------------------------------------------------------------------- wrappers
@@ -345,3 +347,22 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     if rc:
         raise IndexError(f"store_kv: a slot is beyond the cache's {num_blocks * block_size} slots")
     return True
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """As kernels.ops.rms_norm for fp32 on CPU: out, or (out, x + residual); None when not applicable.
+    Within ~1 ulp of the reference (the mean's summation order differs)."""
+    lib = library()
+    if (lib is None or x.dtype != _F32 or weight.dtype != _F32 or x.dim() != 2 or x.device.type != "cpu"
+            or x.stride(1) != 1 or not weight.is_contiguous() or weight.shape != (x.shape[1],)
+            or x.requires_grad or weight.requires_grad
+            or (residual is not None and (residual.dtype != _F32 or residual.shape != x.shape
+                                          or residual.stride(1) != 1 or residual.requires_grad))):
+        return None
+    tokens, hidden = x.shape
+    out = torch.empty(tokens, hidden, dtype=_F32)
+    new_res = torch.empty(tokens, hidden, dtype=_F32) if residual is not None else None
+    lib.sy_rms_norm_f32(x.data_ptr(), x.stride(0), residual.data_ptr() if residual is not None else None,
+                        residual.stride(0) if residual is not None else 0, weight.data_ptr(), out.data_ptr(),
+                        new_res.data_ptr() if new_res is not None else None, tokens, hidden, eps)
+    return out if residual is None else (out, new_res)

@@ -3,7 +3,7 @@
 Dispatch (the variable is looked at per call, so tests can flip it):
   SWITCHYARD_KERNELS unset/"auto": CUDA tensors -> Triton (when triton imports); CPU tensors -> the
                                     compiled CPU kernels of kernels/cpu_native.py where they apply
-                                    (decode attention, fp32 rotary / KV write / few-row linear), else the
+                                    (decode attention; fp32 rotary, KV write, RMSNorm, few-row linear), else the
                                     plain-torch reference (vectorised; the rest of the engine's CPU path).
   SWITCHYARD_KERNELS=triton:        Triton always (on CPU this needs TRITON_INTERPRET=1 and is slow).
   SWITCHYARD_KERNELS=reference:     the reference always (SWITCHYARD_CPU_NATIVE=0 only turns the native
@@ -195,6 +195,10 @@ def rms_norm(
     """out = rmsnorm(x); with residual: (rmsnorm(x + residual), x + residual). Output in x.dtype."""
     if _use_triton(x):
         return _triton_module().rms_norm(x, weight, eps, residual)
+    if _native_cpu(x):
+        out = cpu_native.rms_norm(x, weight, eps, residual)
+        if out is not None:
+            return out
     return reference.rms_norm(x, weight, eps, residual)
 
 

@@ -158,6 +158,20 @@ def test_rotary_and_store_kv_match_the_reference():
     assert not cpu_native.store_kv(k.bfloat16(), v.bfloat16(), pool[1, 0].bfloat16(), pool[1, 1].bfloat16(), slots)
 
 
+@pytest.mark.parametrize("tokens,hidden", [(1, 576), (5, 100), (64, 64)])
+def test_rms_norm_matches_the_reference(tokens, hidden):
+    wide = torch.randn(tokens, hidden + 8) * 3
+    x = wide[:, :hidden]  # strided rows
+    residual, weight = torch.randn(tokens, hidden), torch.randn(hidden)
+    torch.testing.assert_close(cpu_native.rms_norm(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5),
+                               atol=1e-6, rtol=1e-6)  # summation order of the mean only
+    out, new_residual = cpu_native.rms_norm(x, weight, 1e-5, residual)
+    want, want_residual = reference.rms_norm(x, weight, 1e-5, residual)
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
+    assert torch.equal(new_residual, want_residual)
+    assert cpu_native.rms_norm(x.bfloat16(), weight.bfloat16(), 1e-5) is None  # bf16: the exact reference
+
+
 def test_packed_linear_paths_match_torch():
     w, b = torch.randn(70, 48), torch.randn(70)
     packed = ops.prepack_linear(w, b)
