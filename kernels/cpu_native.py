@@ -262,27 +262,29 @@ class PackedLinear:
     done up front so the per-call path is short. Holds references to weight and bias: it stays valid while
     their storage does (do not replace them in place after packing)."""
 
-    __slots__ = ("_b", "_lib", "_w", "_ws", "bias", "gemv_rows", "k", "n", "onednn", "weight")
+    __slots__ = ("_b", "_gemv", "_w", "_ws", "bias", "gemv_rows", "k", "n", "onednn", "weight")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, onednn: torch.Tensor | None,
                  lib: ctypes.CDLL | None) -> None:
-        self.weight, self.bias, self.onednn, self._lib = weight, bias, onednn, lib
+        self.weight, self.bias, self.onednn = weight, bias, onednn
         self.n, self.k = weight.shape
         # Rows up to which the GEMV beats oneDNN's packed GEMM (interleaved measurements: 2), or MKL (4).
         self.gemv_rows = 0 if lib is None else (2 if onednn is not None else LINEAR_MAX_ROWS)
+        self._gemv = lib.sy_linear_f32 if lib is not None else None
         self._w, self._ws = weight.data_ptr(), weight.stride(0)
         self._b = bias.data_ptr() if bias is not None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[1] == self.k and x.dtype == _F32 and not x.requires_grad:
-            rows = x.shape[0]
-            if 0 < rows <= self.gemv_rows and x.stride(1) == 1:
-                y = torch.empty(rows, self.n, dtype=_F32)
-                self._lib.sy_linear_f32(x.data_ptr(), x.stride(0), self._w, self._ws, self._b, y.data_ptr(), self.n,
-                                        rows, self.n, self.k, max(1, torch.get_num_threads()))
-                return y
-            if self.onednn is not None and rows > 0:
-                return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.onednn, self.bias, "none", [], "")
+        if x.dtype == _F32 and x.dim() == 2 and not x.requires_grad:
+            rows, k = x.shape
+            if k == self.k and rows > 0:
+                if rows <= self.gemv_rows and x.stride(1) == 1:
+                    y = torch.empty(rows, self.n, dtype=_F32)
+                    self._gemv(x.data_ptr(), x.stride(0), self._w, self._ws, self._b, y.data_ptr(), self.n, rows,
+                               self.n, k, torch.get_num_threads())
+                    return y
+                if self.onednn is not None:
+                    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.onednn, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 

@@ -5,8 +5,6 @@ there is no padding and no batch dimension. K/V go to the paged cache through ke
 """
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,6 +13,7 @@ from hosted.config import ModelConfig
 from hosted.layers.attention import AttentionMetadata, PagedAttention
 from hosted.layers.linear import Linear
 from kernels import ops
+from kernels.cpu_native import PackedLinear
 
 
 class RMSNormWeight(nn.Module):
@@ -29,18 +28,13 @@ class RMSNormWeight(nn.Module):
         return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
-def _project(layer: Linear, x: torch.Tensor) -> torch.Tensor:
+def _project(layer: Linear, x: torch.Tensor, packed: PackedLinear | None) -> torch.Tensor:
     """A Linear's forward. Full-precision ones go through ops.linear, which on CPU takes the native GEMV at
-    small batch and the prepacked oneDNN weight (see LlamaForCausalLM.prepack_weights) above it; quantized
-    ones through their own kernels."""
+    small batch and the prepacked oneDNN weight (`packed`, see LlamaForCausalLM.prepack_weights) above it;
+    quantized ones through their own kernels."""
     if layer.quantization is None:
-        return ops.linear(x, layer.weight, layer.bias, _PACKED.get(layer))
+        return ops.linear(x, layer.weight, layer.bias, packed)
     return layer(x)
-
-
-# Linear (or the model, for the lm_head) -> its projection prepared by ops.prepack_linear, set by
-# prepack_weights. Weak keys: a model dropped is forgotten with its packed copies.
-_PACKED: weakref.WeakKeyDictionary[nn.Module, object] = weakref.WeakKeyDictionary()
 
 
 class LlamaAttention(nn.Module):
@@ -55,17 +49,19 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], cfg.qkv_bias, dtype, device)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, cfg.o_bias, dtype, device)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, d ** -0.5)
+        self.qkv_packed: PackedLinear | None = None  # set by LlamaForCausalLM.prepack_weights
+        self.o_packed: PackedLinear | None = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = _project(self.qkv_proj, x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = _project(self.qkv_proj, x, self.qkv_packed).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = ops.apply_rotary(q, k, positions, cos_sin)
-        out = self.attn(q, k, v, meta)
-        return _project(self.o_proj, out.view(t, self.q_size))
+        out = self.attn.forward(q, k, v, meta)
+        return _project(self.o_proj, out.view(t, self.q_size), self.o_packed)
 
 
 class LlamaMLP(nn.Module):
@@ -75,10 +71,12 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, [inter, inter], cfg.mlp_bias, dtype, device)
         self.down_proj = Linear(inter, cfg.hidden_size, cfg.mlp_bias, dtype, device)
         self.intermediate_size = inter
+        self.gate_up_packed: PackedLinear | None = None  # set by LlamaForCausalLM.prepack_weights
+        self.down_packed: PackedLinear | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = _project(self.gate_up_proj, x).split(self.intermediate_size, dim=-1)
-        return _project(self.down_proj, F.silu(gate) * up)
+        gate, up = _project(self.gate_up_proj, x, self.gate_up_packed).split(self.intermediate_size, dim=-1)
+        return _project(self.down_proj, F.silu(gate) * up, self.down_packed)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -91,14 +89,16 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 cos_sin: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        # Submodules' forward is called directly: the engine registers no hooks, and nn.Module.__call__'s
+        # hook handling costs a few us per call, which adds up at batch 1 (7 calls x every layer).
         if residual is None:
             residual = hidden
-            x = self.input_layernorm(hidden)
+            x = self.input_layernorm.forward(hidden)
         else:
-            x, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(x, positions, cos_sin, meta)
-        x, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(x), residual
+            x, residual = self.input_layernorm.forward(hidden, residual)
+        hidden = self.self_attn.forward(x, positions, cos_sin, meta)
+        x, residual = self.post_attention_layernorm.forward(hidden, residual)
+        return self.mlp.forward(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -113,26 +113,34 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, device)
+        self.lm_head_packed: PackedLinear | None = None  # set by prepack_weights
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def prepack_weights(self) -> int:
-        """Keep a copy of every full-precision projection weight (and the lm_head) in the CPU GEMM's packed
-        layout (ops.prepack_linear); returns the bytes this adds (0 where packing does not apply)."""
+        """Prepare every full-precision projection (and the lm_head) for the CPU path (ops.prepack_linear:
+        native GEMV + a copy of the weight in oneDNN's packed layout); returns the bytes the copies add (0
+        where packing does not apply). The weights must not be replaced afterwards."""
         added = 0
-        targets: list[tuple[nn.Module, torch.Tensor, torch.Tensor | None]] = [
-            (m, m.weight, m.bias) for m in self.modules() if isinstance(m, Linear) and m.quantization is None]
-        if self.lm_head is None:
-            targets.append((self, self.lm_head_weight, None))
-        for owner, weight, bias in targets:
+
+        def pack(linear: Linear | None, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedLinear | None:
+            nonlocal added
+            if linear is not None and linear.quantization is not None:
+                return None
             packed = ops.prepack_linear(weight, bias)
-            if packed is None:
-                continue
-            _PACKED[owner] = packed
-            if packed.onednn is not None:
+            if packed is not None and packed.onednn is not None:
                 added += weight.numel() * weight.element_size()
+            return packed
+
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv_packed = pack(attn.qkv_proj, attn.qkv_proj.weight, attn.qkv_proj.bias)
+            attn.o_packed = pack(attn.o_proj, attn.o_proj.weight, attn.o_proj.bias)
+            mlp.gate_up_packed = pack(mlp.gate_up_proj, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
+            mlp.down_packed = pack(mlp.down_proj, mlp.down_proj.weight, mlp.down_proj.bias)
+        self.lm_head_packed = pack(self.lm_head, self.lm_head_weight, None)
         return added
 
     def attention_layers(self) -> list[PagedAttention]:
@@ -144,12 +152,11 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
         for layer in self.layers:
-            hidden, residual = layer(hidden, residual, positions, cos_sin, meta)
+            hidden, residual = layer.forward(hidden, residual, positions, cos_sin, meta)
         # Only the rows we sample from need the final norm and the (large) vocabulary projection.
         if residual is None:
             residual = torch.zeros_like(hidden)
         hidden = hidden.index_select(0, logits_indices)
         residual = residual.index_select(0, logits_indices)
         hidden, _ = self.norm(hidden, residual)
-        head = self.lm_head if self.lm_head is not None else self
-        return ops.linear(hidden, self.lm_head_weight, None, _PACKED.get(head)).float()
+        return ops.linear(hidden, self.lm_head_weight, None, self.lm_head_packed).float()
