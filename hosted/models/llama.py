@@ -125,22 +125,22 @@ class LlamaForCausalLM(nn.Module):
         where packing does not apply). The weights must not be replaced afterwards."""
         added = 0
 
-        def pack(linear: Linear | None, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedLinear | None:
+        def pack(weight: torch.Tensor, bias: torch.Tensor | None) -> PackedLinear | None:
             nonlocal added
-            if linear is not None and linear.quantization is not None:
-                return None
             packed = ops.prepack_linear(weight, bias)
             if packed is not None and packed.onednn is not None:
                 added += weight.numel() * weight.element_size()
             return packed
 
+        def pack_linear(linear: Linear) -> PackedLinear | None:
+            return pack(linear.weight, linear.bias) if linear.quantization is None else None
+
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            attn.qkv_packed = pack(attn.qkv_proj, attn.qkv_proj.weight, attn.qkv_proj.bias)
-            attn.o_packed = pack(attn.o_proj, attn.o_proj.weight, attn.o_proj.bias)
-            mlp.gate_up_packed = pack(mlp.gate_up_proj, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
-            mlp.down_packed = pack(mlp.down_proj, mlp.down_proj.weight, mlp.down_proj.bias)
-        self.lm_head_packed = pack(self.lm_head, self.lm_head_weight, None)
+            attn.qkv_packed, attn.o_packed = pack_linear(attn.qkv_proj), pack_linear(attn.o_proj)
+            mlp.gate_up_packed, mlp.down_packed = pack_linear(mlp.gate_up_proj), pack_linear(mlp.down_proj)
+        tied = self.lm_head is None
+        self.lm_head_packed = pack(self.embed_tokens.weight, None) if tied else pack_linear(self.lm_head)
         return added
 
     def attention_layers(self) -> list[PagedAttention]:
