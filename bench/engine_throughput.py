@@ -229,6 +229,42 @@ def bench_decode_bandwidth(engine, model_info: dict, prompt_len: int, decode_tok
             "achieved_gb_s": achieved / 1e9}
 
 
+# ------------------------------------------------------------------------------------------------ compute floor
+def workload_flops(shape: dict, prompts: list[list[int]], new_tokens: int) -> dict:
+    """FLOPs any engine must spend on the workload (no padding, logits only for sampled positions): every
+    prompt token and every output token but the last goes through the decoder layers; each output token
+    costs one lm_head row; attention at position p reads p + 1 keys and values."""
+    h, inter, vocab = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
+    d = h // shape["num_attention_heads"]
+    q, kv = shape["num_attention_heads"] * d, shape["num_key_value_heads"] * d
+    layers = shape["num_hidden_layers"]
+    per_token_macs = layers * (h * (q + 2 * kv) + q * h + 3 * h * inter)
+    tokens = sum(len(p) + new_tokens - 1 for p in prompts)
+    # sum over processed positions p of (p + 1) = n (n + 1) / 2 for a sequence of n processed tokens
+    positions = sum((len(p) + new_tokens - 1) * (len(p) + new_tokens) // 2 for p in prompts)
+    linear = 2 * (tokens * per_token_macs + len(prompts) * new_tokens * h * vocab)
+    attention = 2 * layers * 2 * shape["num_attention_heads"] * d * positions
+    return {"linear_flops": linear, "attention_flops": attention, "total_flops": linear + attention}
+
+
+def best_gemm_rate(shape: dict, rows: int = 2048, repeats: int = 5) -> dict:
+    """The fastest F.linear rate (FLOP/s) this CPU reaches now on the model's projection shapes with many rows
+    (the most favourable case for the hardware): a roofline for the whole workload."""
+    import torch.nn.functional as F
+
+    h, inter = shape["hidden_size"], shape["intermediate_size"]
+    best = 0.0
+    with torch.inference_mode():
+        for n, k in ((2 * inter, h), (h, inter), (h, h)):
+            x, w = torch.randn(rows, k), torch.randn(n, k)
+            F.linear(x, w)
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                F.linear(x, w)
+                best = max(best, 2 * rows * n * k / (time.perf_counter() - t0))
+    return {"rows": rows, "flops_per_s": best}
+
+
 # ------------------------------------------------------------------------------------------------ prefix TTFT
 def bench_prefix_ttft(engine, system_len: int, question_len: int, trials: int, seed: int) -> dict:
     from hosted.sampling import SamplingParams
@@ -356,6 +392,9 @@ def main(argv: list[str] | None = None) -> int:
         results["prefix_ttft"] = bench_prefix_ttft(engine, system_tokens, 32, trials, args.seed)
         del engine
 
+        results["workload"] = workload_flops(info, prompts, new_tokens)
+        results["gemm_roofline"] = best_gemm_rate(info)
+
     results["machine"]["load_avg_at_end"] = os.getloadavg()
     ratios: dict = {}
     cpu_ratios: dict = {}
@@ -373,6 +412,13 @@ def main(argv: list[str] | None = None) -> int:
     ratios["prefix_ttft_speedup"] = results["prefix_ttft"]["speedup"]
     results["ratios"] = ratios
     results["ratios_per_cpu_second"] = cpu_ratios
+    floor_s = results["workload"]["total_flops"] / results["gemm_roofline"]["flops_per_s"]
+    results["compute_floor"] = {
+        "seconds": floor_s, "max_output_tok_s": new_tokens * n_req / floor_s,
+        "engine_fraction_of_roofline": floor_s / results["engine"]["seconds"]}
+    if "hf_sequential" in results:
+        results["compute_floor"]["max_ratio_vs_hf_sequential"] = (results["compute_floor"]["max_output_tok_s"]
+                                                                  / results["hf_sequential"]["output_tok_s"])
     results["targets"] = TARGETS
     results["targets_met"] = {k: ratios[k] >= v for k, v in TARGETS.items() if k in ratios}
     print_table(results)
@@ -428,6 +474,13 @@ def print_table(r: dict) -> None:
     print(f"bandwidth achieved: {bw['achieved_gb_s']:.2f} GB/s = {bw['bytes_per_step'] / 1e6:.0f} MB/step "
           f"(weights {bw['weight_bytes'] / 1e6:.0f} MB + KV at mean context {bw['mean_context']:.0f}) x "
           f"{bw['steps_per_s']:.2f} steps/s; copy bandwidth {cp['gb_s']:.2f} GB/s (read+write)")
+    w, g, f = r["workload"], r["gemm_roofline"], r["compute_floor"]
+    bound = (f" = {f['max_ratio_vs_hf_sequential']:.1f}x (a)" if "max_ratio_vs_hf_sequential" in f else "")
+    print(f"compute floor: the workload is {w['total_flops'] / 1e12:.2f} TFLOP (linear "
+          f"{w['linear_flops'] / 1e12:.2f}, attention {w['attention_flops'] / 1e12:.2f}); at the best GEMM rate "
+          f"measured now ({g['flops_per_s'] / 1e9:.0f} GFLOP/s, {g['rows']} rows) it needs {f['seconds']:.1f} s, "
+          f"i.e. at most {f['max_output_tok_s']:.0f} output tok/s{bound}; the engine ran at "
+          f"{100 * f['engine_fraction_of_roofline']:.0f}% of that roofline")
     p = r["prefix_ttft"]
     print(f"prefix TTFT: miss {p['ttft_miss_median_s'] * 1000:.0f} ms, hit {p['ttft_hit_median_s'] * 1000:.0f} ms "
           f"({p['cached_tokens_on_hit']:.0f} of {p['system_tokens'] + p['question_tokens']} prompt tokens cached), "

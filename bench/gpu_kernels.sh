@@ -19,8 +19,9 @@ if [[ "${1:-}" == "--cpu-smoke" ]]; then
   # Every Python file the GPU run uses must at least import and run here.
   env -u TRITON_INTERPRET SWITCHYARD_KERNELS=reference "$PY" bench/kernels_bench.py --cpu-smoke \
     --out "$RESULTS/kernels_cpu_smoke"
+  "$PY" bench/engine_decode.py --cpu-smoke --out "$RESULTS/engine_decode_cpu_smoke"
   "$PY" -c "import ast, sys; [ast.parse(open(f).read(), f) for f in sys.argv[1:]]" \
-    bench/kernels_bench.py kernels/compile_check.py tests/kernels/test_kernel_triton.py
+    bench/kernels_bench.py bench/engine_decode.py kernels/compile_check.py tests/kernels/test_kernel_triton.py
   echo "cpu smoke OK"
   exit 0
 fi
@@ -42,12 +43,5 @@ SWITCHYARD_KERNEL_TEST_DEVICE=cuda "$PY" -m pytest tests/kernels -q -p no:cachep
 echo "== kernel benchmarks"
 "$PY" bench/kernels_bench.py --out "$RESULTS/kernels_${TAG}"
 
-# TODO(engine): end-to-end batch-1 decode tokens/s + MBU on a random-weight 8B-shape Llama (bf16, int8,
-# int4) and batch-64 decode throughput need the engine. Its benchmark plugs in here once it exists:
-ENGINE_BENCH=${ENGINE_DECODE_BENCH:-bench/engine_decode.py}
-if [[ -f "$ENGINE_BENCH" ]]; then
-  echo "== engine end-to-end decode ($ENGINE_BENCH)"
-  "$PY" "$ENGINE_BENCH" --device cuda --out "$RESULTS/engine_decode_${TAG}"
-else
-  echo "== engine end-to-end decode: SKIPPED, $ENGINE_BENCH does not exist yet (TODO: engine bench)"
-fi
+echo "== engine end-to-end decode (8B-shape Llama: bf16, int8, int4; batch 1 MBU and batch 64)"
+"$PY" bench/engine_decode.py --device cuda --out "$RESULTS/engine_decode_${TAG}"
