@@ -92,15 +92,16 @@ static inline const float *block_rows(const void *cache, int is_bf16, int64_t bl
     return buf;
 }
 
-/* Ask for a block's rows (into L2) one block ahead of use: blocks sit at random places in the pool, too
- * short and too far apart for the hardware prefetchers to follow. */
+/* Ask for a block's rows one block ahead of use: blocks sit at random places in the pool, too short and too
+ * far apart for the hardware prefetchers to follow. Into L1 (prefetcht0): measured ~12% faster than into L2
+ * at batch 64; prefetching further ahead was slower. */
 static inline void prefetch_block(const void *cache, int elem, int64_t blk, int64_t sb, int64_t so, int64_t sh,
                                   int n, int Hkv, int D) {
     const char *base = (const char *)cache + blk * sb * elem;
     for (int o = 0; o < n; o++)
         for (int h = 0; h < Hkv; h++) {
             const char *row = base + (o * so + h * sh) * elem;
-            for (int c = 0; c < D * elem; c += 64) __builtin_prefetch(row + c, 0, 1);
+            for (int c = 0; c < D * elem; c += 64) __builtin_prefetch(row + c, 0, 3);
         }
 }
 
@@ -230,6 +231,7 @@ static int decode_seq(const float *q, int64_t q_sh, float scale, const void *kc,
                 }
         }
     }
+    prefetch_block(vc, elem, table[0], sb, so, sh, NEXT_ROWS(0), Hkv, D);
     /* softmax over t, per head; the score rows are padded to a multiple of 16 (pad: -inf -> exp 0) */
     float inv[MAX_Q_HEADS];
     for (int j = 0; j < Hq; j++) {
@@ -254,7 +256,6 @@ static int decode_seq(const float *q, int64_t q_sh, float scale, const void *kc,
     }
     /* out_j = sum_t p[j, t] v_t / sum_t p[j, t] */
     memset(acc, 0, sizeof(float) * Hq * D);
-    prefetch_block(vc, elem, table[0], sb, so, sh, NEXT_ROWS(0), Hkv, D);
     for (int i = 0; i < nblk; i++) {
         const int n = NEXT_ROWS(i);
         if (i + 1 < nblk) prefetch_block(vc, elem, table[i + 1], sb, so, sh, NEXT_ROWS(i + 1), Hkv, D);
