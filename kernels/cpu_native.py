@@ -1,10 +1,14 @@
 """Compiled CPU kernels for the engine's memory-bound hot paths (the CPU counterpart of the Triton kernels).
 
-`cpu_native.c` holds two kernels that torch's CPU ops do poorly on this kind of machine:
+`cpu_native.c` holds kernels that torch's CPU ops do poorly on this kind of machine:
   * paged decode attention: each cached K/V row is read once, straight from its block (the torch path
     gathers the rows into a buffer first and multiplies tiny matrices with MKL);
   * y = x W^T for a few rows of x (batch-1 decode): MKL's GEMV reads several weight rows at once and
-    reaches about half the memory bandwidth a single sequential stream gets.
+    reaches about half the memory bandwidth a single sequential stream gets;
+  * y = x W^T from a prepacked panel copy of W (PackedLinear): at decode batch sizes the weights stream
+    from DRAM every step, and this GEMM prefetches the next panel while computing one (oneDNN's and MKL's
+    did not overlap the two);
+  * rotary embedding, KV-cache write and RMSNorm + residual, fused where torch needs several ops.
 The source is compiled with the system C compiler (`$CC`, else cc/gcc/clang) at first use and cached
 under `$SWITCHYARD_CACHE_DIR` (default `$XDG_CACHE_HOME/switchyard` or `~/.cache/switchyard`), keyed by the
 source, the compiler and the CPU, so a shared home across machines never loads a build for another CPU.
@@ -151,6 +155,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sy_store_kv_f32.restype = i32
     lib.sy_rms_norm_f32.argtypes = [p, i64, p, i64, p, p, p, i32, i32, f32]
     lib.sy_rms_norm_f32.restype = None
+    lib.sy_pack_panels_f32.argtypes = [p, i64, i64, i64, p]
+    lib.sy_pack_panels_f32.restype = None
+    lib.sy_gemm_panels_f32.argtypes = [p, i64, p, p, p, i64, i32, i64, i64, i32]
+    lib.sy_gemm_panels_f32.restype = None
 
 
 # --------------------------------------------------------------------------- wrappers
@@ -256,36 +264,62 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y
 
 
+PANEL_N = 48  # output features per panel of sy_pack_panels_f32 (as in cpu_native.c)
+
+
 class PackedLinear:
-    """A CPU fp32 projection prepared once (kernels.ops.prepack_linear): the native GEMV for a few rows, the
-    weight in oneDNN's blocked layout for more (MKL re-packs the weight on every call), and the checks
-    done up front so the per-call path is short. Holds references to weight and bias: it stays valid while
-    their storage does (do not replace them in place after packing)."""
+    """A CPU fp32 projection prepared once (kernels.ops.prepack_linear): the weight copied into the native
+    GEMM's panel layout (without the native library: oneDNN's blocked layout, as MKL re-packs the weight on
+    every call), with the checks done up front so the per-call path is short. Holds references to weight
+    and bias: it stays valid while their storage does (do not replace them in place after packing)."""
 
-    __slots__ = ("_b", "_gemv", "_w", "_ws", "bias", "gemv_rows", "k", "n", "onednn", "weight")
+    __slots__ = ("_b", "_gemm", "_p", "bias", "k", "n", "onednn", "panels", "weight")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, onednn: torch.Tensor | None,
-                 lib: ctypes.CDLL | None) -> None:
-        self.weight, self.bias, self.onednn = weight, bias, onednn
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lib: ctypes.CDLL | None) -> None:
+        self.weight, self.bias = weight, bias
         self.n, self.k = weight.shape
-        # Rows up to which the GEMV beats oneDNN's packed GEMM (interleaved measurements: 2), or MKL (4).
-        self.gemv_rows = 0 if lib is None else (2 if onednn is not None else LINEAR_MAX_ROWS)
-        self._gemv = lib.sy_linear_f32 if lib is not None else None
-        self._w, self._ws = weight.data_ptr(), weight.stride(0)
+        self.panels: torch.Tensor | None = None
+        self.onednn: torch.Tensor | None = None
+        if lib is not None:
+            self.panels = torch.empty(-(-self.n // PANEL_N) * self.k * PANEL_N, dtype=_F32)
+            lib.sy_pack_panels_f32(weight.data_ptr(), weight.stride(0), self.n, self.k, self.panels.data_ptr())
+        else:
+            self.onednn = _onednn_weight(weight)
+        # From one row up: at batch 1 the panels streamed as fast as the row-major GEMV (engine decode steps
+        # within noise of each other), above it they are faster.
+        self._gemm = lib.sy_gemm_panels_f32 if lib is not None else None
+        self._p = self.panels.data_ptr() if self.panels is not None else None
         self._b = bias.data_ptr() if bias is not None else None
+
+    @property
+    def extra_bytes(self) -> int:
+        """Memory the packed copy adds beside the weight."""
+        copy = self.panels if self.panels is not None else self.onednn
+        return 0 if copy is None else copy.numel() * copy.element_size()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == _F32 and x.dim() == 2 and not x.requires_grad:
             rows, k = x.shape
             if k == self.k and rows > 0:
-                if rows <= self.gemv_rows and x.stride(1) == 1:
+                if self._gemm is not None:
+                    if x.stride(1) != 1:
+                        x = x.contiguous()
                     y = torch.empty(rows, self.n, dtype=_F32)
-                    self._gemv(x.data_ptr(), x.stride(0), self._w, self._ws, self._b, y.data_ptr(), self.n, rows,
-                               self.n, k, torch.get_num_threads())
+                    self._gemm(x.data_ptr(), x.stride(0), self._p, self._b, y.data_ptr(), self.n, rows, self.n, k,
+                               torch.get_num_threads())
                     return y
                 if self.onednn is not None:
                     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.onednn, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+def _onednn_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+    except (RuntimeError, AttributeError):  # an op this torch build lacks
+        return None
 
 
 def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear | None:
@@ -295,16 +329,8 @@ def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Packe
             or (bias is not None and (bias.dtype != _F32 or not bias.is_contiguous()
                                       or bias.shape != (weight.shape[0],)))):
         return None
-    onednn = None
-    if torch.backends.mkldnn.is_available():
-        try:
-            onednn = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-        except (RuntimeError, AttributeError):  # an op this torch build lacks
-            onednn = None
-    lib = library()
-    if onednn is None and lib is None:
-        return None
-    return PackedLinear(weight, bias, onednn, lib)
+    packed = PackedLinear(weight, bias, library())
+    return packed if packed.panels is not None or packed.onednn is not None else None
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,

@@ -233,10 +233,11 @@ def apply_rotary(
 
 
 def prepack_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> cpu_native.PackedLinear | None:
-    """Prepare a dense projection once for ops.linear(..., packed=) on CPU fp32: the native GEMV for a few
-    rows; for more, a copy of the weight in oneDNN's blocked layout (MKL re-packs the weight on every call,
-    ~15% of a batch-64 decode step; packed once, oneDNN ran 1.2-1.9x MKL's rate for 4-2048 rows here).
-    The copy costs as much memory as the weight. None where it does not apply (CUDA, other dtypes)."""
+    """Prepare a dense projection once for ops.linear(..., packed=) on CPU fp32: a copy of the weight in the
+    native GEMM's panel layout (cpu_native.PackedLinear; 1.2-1.5x oneDNN's packed GEMM at 8-128 rows with
+    the weights coming from DRAM, as in decode, and level with it at 512-2048 rows), or in oneDNN's blocked
+    layout when the native kernels are unavailable (MKL re-packs the weight on every call). The copy costs
+    as much memory as the weight. None where it does not apply (CUDA, other dtypes)."""
     if weight.is_cuda or backend_mode() != "auto":
         return None
     return cpu_native.pack_linear(weight, bias)
@@ -249,7 +250,7 @@ def linear(
     packed: cpu_native.PackedLinear | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias) -> [M, N], a dense projection. On CPU (auto mode) with `packed`
-    from prepack_linear(weight, bias): the native GEMV for a few rows, oneDNN above. Without it: the GEMV
+    from prepack_linear(weight, bias): the native panel GEMM (or oneDNN). Without it: the GEMV
     for fp32 up to cpu_native.LINEAR_MAX_ROWS rows. Otherwise torch's matmul (cuBLAS / MKL)."""
     if _native_cpu(x):
         if packed is not None:

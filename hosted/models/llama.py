@@ -29,9 +29,9 @@ class RMSNormWeight(nn.Module):
 
 
 def _project(layer: Linear, x: torch.Tensor, packed: PackedLinear | None) -> torch.Tensor:
-    """A Linear's forward. Full-precision ones go through ops.linear, which on CPU takes the native GEMV at
-    small batch and the prepacked oneDNN weight (`packed`, see LlamaForCausalLM.prepack_weights) above it;
-    quantized ones through their own kernels."""
+    """A Linear's forward. Full-precision ones go through ops.linear, which on CPU takes the native GEMM over
+    the weight's prepacked copy (`packed`, see LlamaForCausalLM.prepack_weights); quantized ones through
+    their own kernels."""
     if layer.quantization is None:
         return ops.linear(x, layer.weight, layer.bias, packed)
     return layer(x)
@@ -120,16 +120,16 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def prepack_weights(self) -> int:
-        """Prepare every full-precision projection (and the lm_head) for the CPU path (ops.prepack_linear:
-        native GEMV + a copy of the weight in oneDNN's packed layout); returns the bytes the copies add (0
-        where packing does not apply). The weights must not be replaced afterwards."""
+        """Prepare every full-precision projection (and the lm_head) for the CPU path (ops.prepack_linear: a
+        copy of the weight in the native GEMM's panel layout); returns the bytes the copies add (0 where
+        packing does not apply). The weights must not be replaced afterwards."""
         added = 0
 
         def pack(weight: torch.Tensor, bias: torch.Tensor | None) -> PackedLinear | None:
             nonlocal added
             packed = ops.prepack_linear(weight, bias)
-            if packed is not None and packed.onednn is not None:
-                added += weight.numel() * weight.element_size()
+            if packed is not None:
+                added += packed.extra_bytes
             return packed
 
         def pack_linear(linear: Linear) -> PackedLinear | None:

@@ -183,6 +183,43 @@ def test_packed_linear_paths_match_torch():
     torch.testing.assert_close(ops.linear(x, w, b, packed), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("n", [1, 47, 48, 49, 130])
+@pytest.mark.parametrize("k", [1, 33, 576])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_panel_gemm_matches_float64(n, k, with_bias):
+    gen = torch.Generator().manual_seed(n * 1000 + k)
+    w = torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if with_bias else None
+    packed = cpu_native.pack_linear(w, b)
+    assert packed is not None and packed.panels is not None  # the native path, not oneDNN
+    assert packed.extra_bytes == -(-n // cpu_native.PANEL_N) * cpu_native.PANEL_N * k * 4
+    for rows in (1, 7, 8, 9, 64, 131):  # partial and whole 8-row tiles
+        x = torch.randn(rows, k, generator=gen)
+        want = x.double() @ w.double().t() + (b.double() if b is not None else 0)
+        got = packed(x)
+        assert got.shape == (rows, n) and got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, atol=1e-4 * max(1.0, k ** 0.5), rtol=1e-5)
+
+
+def test_panel_gemm_strided_inputs_and_threads():
+    w = torch.randn(200, 96)
+    packed = cpu_native.pack_linear(w)
+    wide = torch.randn(70, 300)
+    x = wide[:, 100:196]  # row stride 300
+    want = F.linear(x, w)
+    torch.testing.assert_close(packed(x), want, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(packed(x.t().contiguous().t()), want, atol=1e-4, rtol=1e-5)  # column-major: copied
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = packed(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, packed(x))  # the thread split changes which panels a thread does, not the sums
+    weight_t = torch.randn(96, 200).t()  # a column-major weight cannot be packed
+    assert cpu_native.pack_linear(weight_t) is None
+
+
 def test_ops_dispatch_and_switches(monkeypatch):
     kv = make_paged_kv([21, 6], 1, 16, 4, torch.float32, seed=1)
     q = torch.randn(2, 2, 16)
