@@ -489,11 +489,12 @@ int sy_rotary_f32(const float *q, int64_t q_st, int64_t q_sh, int Hq, const floa
 }
 
 /* k_cache/v_cache slot s (= block * block_size + offset) <- key/value row t for s = slots[t] >= 0.
- * Rows: element (t, h, d) at t*st + h*sh + d; caches (block, offset, h, d) at block*cb + offset*co + h*ch + d.
- * Returns 0, or 1 (nothing written) if a slot is beyond the pool. */
-int sy_store_kv_f32(const float *key, const float *value, int64_t st, int64_t sh, float *k_cache, float *v_cache,
-                    int64_t cb, int64_t co, int64_t ch, int64_t num_slots, int block_size, const int64_t *slots,
-                    int T, int H, int D) {
+ * Rows: key element (t, h, d) at t*kst + h*ksh + d, value at t*vst + h*vsh + d (k and v usually differ: k is
+ * the rotary output, v a view into the fused QKV projection); caches (block, offset, h, d) at
+ * block*cb + offset*co + h*ch + d. Returns 0, or 1 (nothing written) if a slot is beyond the pool. */
+int sy_store_kv_f32(const float *key, const float *value, int64_t kst, int64_t ksh, int64_t vst, int64_t vsh,
+                    float *k_cache, float *v_cache, int64_t cb, int64_t co, int64_t ch, int64_t num_slots,
+                    int block_size, const int64_t *slots, int T, int H, int D) {
     for (int t = 0; t < T; t++)
         if (slots[t] >= num_slots) return 1;
     for (int t = 0; t < T; t++) {
@@ -501,8 +502,8 @@ int sy_store_kv_f32(const float *key, const float *value, int64_t st, int64_t sh
         if (s < 0) continue;
         const int64_t base = (s / block_size) * cb + (s % block_size) * co;
         for (int h = 0; h < H; h++) {
-            memcpy(k_cache + base + h * ch, key + t * st + h * sh, sizeof(float) * D);
-            memcpy(v_cache + base + h * ch, value + t * st + h * sh, sizeof(float) * D);
+            memcpy(k_cache + base + h * ch, key + t * kst + h * ksh, sizeof(float) * D);
+            memcpy(v_cache + base + h * ch, value + t * vst + h * vsh, sizeof(float) * D);
         }
     }
     return 0;

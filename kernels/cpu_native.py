@@ -151,7 +151,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sy_linear_f32.restype = None
     lib.sy_rotary_f32.argtypes = [p, i64, i64, i32, p, i64, i64, i32, i32, i32, p, p, i64, p, p]
     lib.sy_rotary_f32.restype = i32
-    lib.sy_store_kv_f32.argtypes = [p, p, i64, i64, p, p, i64, i64, i64, i64, i32, p, i32, i32, i32]
+    lib.sy_store_kv_f32.argtypes = [p, p, i64, i64, i64, i64, p, p, i64, i64, i64, i64, i32, p, i32, i32, i32]
     lib.sy_store_kv_f32.restype = i32
     lib.sy_rms_norm_f32.argtypes = [p, i64, p, i64, p, p, p, i32, i32, f32]
     lib.sy_rms_norm_f32.restype = None
@@ -362,16 +362,16 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     lib = library()
     if (lib is None or key.dtype != _F32 or value.dtype != _F32 or k_cache.dtype != _F32 or v_cache.dtype != _F32
             or slot_mapping.dtype != _I64 or not slot_mapping.is_contiguous() or key.device.type != "cpu"
-            or k_cache.device.type != "cpu" or key.stride() != value.stride() or key.stride(2) != 1
+            or value.device.type != "cpu" or key.stride(2) != 1 or value.stride(2) != 1
             or k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1 or k_cache.dim() != 4
             or key.shape[1:] != k_cache.shape[2:] or key.shape != value.shape
             or slot_mapping.shape != (key.shape[0],)):
         return False
     num_blocks, block_size, heads, head_dim = k_cache.shape
-    rc = lib.sy_store_kv_f32(key.data_ptr(), value.data_ptr(), key.stride(0), key.stride(1), k_cache.data_ptr(),
-                             v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                             num_blocks * block_size, block_size, slot_mapping.data_ptr(), key.shape[0], heads,
-                             head_dim)
+    rc = lib.sy_store_kv_f32(key.data_ptr(), value.data_ptr(), key.stride(0), key.stride(1), value.stride(0),
+                             value.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
+                             k_cache.stride(1), k_cache.stride(2), num_blocks * block_size, block_size,
+                             slot_mapping.data_ptr(), key.shape[0], heads, head_dim)
     if rc:
         raise IndexError(f"store_kv: a slot is beyond the cache's {num_blocks * block_size} slots")
     return True

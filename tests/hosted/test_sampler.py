@@ -80,3 +80,13 @@ def test_logprobs_are_raw_model_logprobs():
     best = raw.topk(3)
     assert [t for t, _ in top] == best.indices.tolist()
     assert all(abs(v - w) < 1e-6 for (_, v), w in zip(top, best.values.tolist()))
+
+
+def test_greedy_tokens_take_the_first_index_on_ties_like_argmax():
+    from hosted.sampler import greedy_tokens
+
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randint(0, 3, (64, 500), generator=gen).float()  # many tied maxima per row
+    logits[5, 7] = float("nan")  # NaN wins, as in argmax
+    assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
+    assert greedy_tokens(logits)[5] == 7

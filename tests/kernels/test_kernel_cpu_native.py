@@ -153,6 +153,11 @@ def test_rotary_and_store_kv_match_the_reference():
     reference.store_kv(k, v, want_k, want_v, slots)
     assert torch.equal(pool[1, 0], want_k) and torch.equal(pool[1, 1], want_v)
     assert not pool[0].any()  # the other layer is untouched
+    rotated_k = got[1]  # as in the engine: k is the rotary output (contiguous), v still a view of the QKV row
+    assert rotated_k.stride() != v.stride()
+    assert cpu_native.store_kv(rotated_k, v, pool[1, 0], pool[1, 1], slots)
+    reference.store_kv(rotated_k, v, want_k, want_v, slots)
+    assert torch.equal(pool[1, 0], want_k) and torch.equal(pool[1, 1], want_v)
     with pytest.raises(IndexError):
         cpu_native.store_kv(k, v, pool[1, 0], pool[1, 1], torch.tensor([0, 1, 24, 2, 3]))
     assert not cpu_native.store_kv(k.bfloat16(), v.bfloat16(), pool[1, 0].bfloat16(), pool[1, 1].bfloat16(), slots)
