@@ -159,8 +159,20 @@ def bench_engine(engine, prompts: list[list[int]], new_tokens: int) -> dict:
     steps = 0
     total = new_tokens * len(prompts)
     next_report = total // 8
+    # Where the time goes: steps that carry prompt tokens (compute-bound prefill, with any decodes mixed in)
+    # vs decode-only steps (one token per running sequence).
+    split = {"prefill_steps": 0, "prefill_seconds": 0.0, "decode_steps": 0, "decode_seconds": 0.0}
+    computed = engine.stats().num_computed_tokens
     while engine.has_unfinished():
-        for out in engine.step():
+        s0 = time.perf_counter()
+        outs = engine.step()
+        dt = time.perf_counter() - s0
+        now = engine.stats().num_computed_tokens
+        kind = "prefill" if now - computed > len(outs) else "decode"
+        computed = now
+        split[f"{kind}_steps"] += 1
+        split[f"{kind}_seconds"] += dt
+        for out in outs:
             if out.new_token_ids:
                 counts[out.request_id] += len(out.new_token_ids)
                 first.setdefault(out.request_id, time.perf_counter())
@@ -180,7 +192,7 @@ def bench_engine(engine, prompts: list[list[int]], new_tokens: int) -> dict:
             "busy_fraction_of_wall": (after.busy_seconds - before.busy_seconds) / seconds,
             "ttft_median_s": statistics.median(ttfts), "ttft_max_s": ttfts[-1],
             "kv_blocks": after.kv_blocks_total, "max_num_seqs": engine.config.max_num_seqs,
-            "max_num_batched_tokens": engine.config.max_num_batched_tokens}
+            "max_num_batched_tokens": engine.config.max_num_batched_tokens, "time_split": split}
 
 
 # ------------------------------------------------------------------------------------------------ bandwidth
@@ -474,6 +486,10 @@ def print_table(r: dict) -> None:
     print(f"bandwidth achieved: {bw['achieved_gb_s']:.2f} GB/s = {bw['bytes_per_step'] / 1e6:.0f} MB/step "
           f"(weights {bw['weight_bytes'] / 1e6:.0f} MB + KV at mean context {bw['mean_context']:.0f}) x "
           f"{bw['steps_per_s']:.2f} steps/s; copy bandwidth {cp['gb_s']:.2f} GB/s (read+write)")
+    ts = e["time_split"]
+    print(f"engine time: {ts['prefill_steps']} steps carrying prompt tokens took {ts['prefill_seconds']:.1f} s, "
+          f"{ts['decode_steps']} decode-only steps {ts['decode_seconds']:.1f} s "
+          f"({1000 * ts['decode_seconds'] / max(ts['decode_steps'], 1):.0f} ms each)")
     w, g, f = r["workload"], r["gemm_roofline"], r["compute_floor"]
     bound = (f" = {f['max_ratio_vs_hf_sequential']:.1f}x (a)" if "max_ratio_vs_hf_sequential" in f else "")
     print(f"compute floor: the workload is {w['total_flops'] / 1e12:.2f} TFLOP (linear "
