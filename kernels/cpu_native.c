@@ -6,6 +6,7 @@
  *   sy_rotary_f32        HF rotate_half rotary embedding of q and k into new contiguous tensors
  *   sy_store_kv_f32      scatter new K/V rows into their cache slots
  *   sy_rms_norm_f32      RMSNorm fused with the residual add
+ *   sy_silu_mul_f32      silu(gate) * up from the fused gate_up projection
  * Math is fp32. Parallel loops use the OpenMP runtime torch itself loaded (the same libgomp.so.1), so
  * they share torch's threads. Written for GCC >= 12 / clang vector extensions; any failure to build
  * makes the engine fall back to the torch reference. */
@@ -534,5 +535,31 @@ void sy_rms_norm_f32(const float *x, int64_t x_stride, const float *res, int64_t
         float *o = out + (int64_t)t * H;
         for (int i = 0; i < hv; i += 16) *(v16 *)(o + i) = ld(w + i) * (ld(s + i) * inv);
         for (int i = hv; i < H; i++) o[i] = w[i] * (s[i] * inv);
+    }
+}
+
+/* out[t, i] = silu(g) * u with g = gu[t, i], u = gu[t, inter + i] (the fused gate_up projection's two halves),
+ * silu(g) = g / (1 + exp(-g)). Evaluated with e = exp(-|g|) <= 1 (no overflow): g / (1 + e) for g >= 0,
+ * g * e / (1 + e) below. fp32; within a few ulp of torch's silu-then-multiply. Rows of gu at t * gs, out
+ * contiguous [T, inter]. */
+void sy_silu_mul_f32(const float *gu, int64_t gs, float *out, int T, int inter, int threads) {
+    const int iv = inter - inter % 16;
+    if ((int64_t)T * inter < 65536) threads = 1;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int t = 0; t < T; t++) {
+        const float *g = gu + (int64_t)t * gs, *u = g + inter;
+        float *o = out + (int64_t)t * inter;
+        for (int i = 0; i < iv; i += 16) {
+            const v16 x = ld(g + i);
+            const i16 neg = x < 0.0f;
+            const v16 ax = (v16)((i16)x & 0x7fffffff); /* |x|: clear the sign bit */
+            const v16 e = exp_nonpos16((v16){0} - ax);
+            const v16 num = (v16)((neg & (i16)(x * e)) | (~neg & (i16)x));
+            *(v16 *)(o + i) = num / (1.0f + e) * ld(u + i);
+        }
+        for (int i = iv; i < inter; i++) {
+            const float x = g[i], e = expf(-fabsf(x));
+            o[i] = (x < 0.0f ? x * e : x) / (1.0f + e) * u[i];
+        }
     }
 }

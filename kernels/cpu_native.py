@@ -155,6 +155,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sy_store_kv_f32.restype = i32
     lib.sy_rms_norm_f32.argtypes = [p, i64, p, i64, p, p, p, i32, i32, f32]
     lib.sy_rms_norm_f32.restype = None
+    lib.sy_silu_mul_f32.argtypes = [p, i64, p, i32, i32, i32]
+    lib.sy_silu_mul_f32.restype = None
     lib.sy_pack_panels_f32.argtypes = [p, i64, i64, i64, p]
     lib.sy_pack_panels_f32.restype = None
     lib.sy_gemm_panels_f32.argtypes = [p, i64, p, p, p, i64, i32, i64, i64, i32]
@@ -394,3 +396,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
                         residual.stride(0) if residual is not None else 0, weight.data_ptr(), out.data_ptr(),
                         new_res.data_ptr() if new_res is not None else None, tokens, hidden, eps)
     return out if residual is None else (out, new_res)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """As kernels.ops.silu_and_mul for fp32 on CPU, or None. Within a few ulp of the reference."""
+    lib = library()
+    if (lib is None or gate_up.dtype != _F32 or gate_up.dim() != 2 or gate_up.device.type != "cpu"
+            or gate_up.stride(1) != 1 or gate_up.shape[1] % 2 or gate_up.requires_grad):
+        return None
+    tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(tokens, inter, dtype=_F32)
+    lib.sy_silu_mul_f32(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), tokens, inter,
+                        max(1, torch.get_num_threads()))
+    return out

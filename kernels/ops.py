@@ -229,6 +229,18 @@ def apply_rotary(
     return reference.apply_rotary(q, k, positions, cos_sin)
 
 
+# --------------------------------------------------------------------------- activation
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate then up) -> silu(gate) * up [T, I]: one pass on CPU (fp32), torch elsewhere."""
+    if _native_cpu(gate_up):
+        out = cpu_native.silu_and_mul(gate_up)
+        if out is not None:
+            return out
+    return reference.silu_and_mul(gate_up)
+
+
 # --------------------------------------------------------------------------- linear
 
 

@@ -368,6 +368,15 @@ def apply_rotary(
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
+# --------------------------------------------------------------------------- activation
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate then up, as the fused projection) -> silu(gate) * up [T, I] (HF LlamaMLP)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 # --------------------------------------------------------------------------- weight-only quantization
 
 

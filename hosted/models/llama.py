@@ -6,7 +6,6 @@ there is no padding and no batch dimension. K/V go to the paged cache through ke
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hosted.config import ModelConfig
@@ -70,13 +69,12 @@ class LlamaMLP(nn.Module):
         inter = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, [inter, inter], cfg.mlp_bias, dtype, device)
         self.down_proj = Linear(inter, cfg.hidden_size, cfg.mlp_bias, dtype, device)
-        self.intermediate_size = inter
         self.gate_up_packed: PackedLinear | None = None  # set by LlamaForCausalLM.prepack_weights
         self.down_packed: PackedLinear | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = _project(self.gate_up_proj, x, self.gate_up_packed).split(self.intermediate_size, dim=-1)
-        return _project(self.down_proj, F.silu(gate) * up, self.down_packed)
+        return _project(self.down_proj, ops.silu_and_mul(_project(self.gate_up_proj, x, self.gate_up_packed)),
+                        self.down_packed)
 
 
 class LlamaDecoderLayer(nn.Module):

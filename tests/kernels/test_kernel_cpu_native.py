@@ -225,6 +225,22 @@ def test_panel_gemm_strided_inputs_and_threads():
     assert cpu_native.pack_linear(weight_t) is None
 
 
+@pytest.mark.parametrize("tokens,inter", [(1, 1536), (5, 40), (300, 64)])
+def test_silu_and_mul_matches_the_reference(tokens, inter):
+    gen = torch.Generator().manual_seed(tokens + inter)
+    wide = torch.randn(tokens, 2 * inter + 8, generator=gen) * 6
+    wide[0, :6] = torch.tensor([0.0, -0.0, -100.0, 100.0, 1e-30, -1e-30])  # underflow, overflow, signed zero
+    gate_up = wide[:, : 2 * inter]  # strided rows, as a view of a wider tensor
+    got = cpu_native.silu_and_mul(gate_up)
+    want = reference.silu_and_mul(gate_up)
+    assert got is not None and got.shape == (tokens, inter)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=4e-7)  # a few ulp
+    exact = reference.silu_and_mul(gate_up.double())
+    torch.testing.assert_close(got.double(), exact, atol=1e-6, rtol=4e-7)
+    assert torch.equal(ops.silu_and_mul(gate_up), got)
+    assert cpu_native.silu_and_mul(gate_up.bfloat16()) is None
+
+
 def test_ops_dispatch_and_switches(monkeypatch):
     kv = make_paged_kv([21, 6], 1, 16, 4, torch.float32, seed=1)
     q = torch.randn(2, 2, 16)
