@@ -364,7 +364,8 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     lib = library()
     if (lib is None or key.dtype != _F32 or value.dtype != _F32 or k_cache.dtype != _F32 or v_cache.dtype != _F32
             or slot_mapping.dtype != _I64 or not slot_mapping.is_contiguous() or key.device.type != "cpu"
-            or value.device.type != "cpu" or key.stride(2) != 1 or value.stride(2) != 1
+            or value.device.type != "cpu" or k_cache.device.type != "cpu" or v_cache.device.type != "cpu"
+            or key.stride(2) != 1 or value.stride(2) != 1
             or k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1 or k_cache.dim() != 4
             or key.shape[1:] != k_cache.shape[2:] or key.shape != value.shape
             or slot_mapping.shape != (key.shape[0],)):
