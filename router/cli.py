@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from router.defaults import DEFAULT_C, DEFAULT_LABEL_RULE, LABEL_RULES
+
 
 def _data_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", required=True, help="labelled rows: CSV or JSONL")
@@ -158,10 +160,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                                     "from rows saying whether a weak and a strong model answered correctly.")
     _data_args(t)
     t.add_argument("--out", required=True, help="model file to write (replaced atomically)")
-    t.add_argument("--label-rule", default="strong_only", choices=["strong_only", "weak_wrong", "skip_both_wrong"],
-                   help="which rows count as needing the strong model (default: strong_only = strong right "
-                        "and weak wrong; see docs/router.md)")
-    t.add_argument("--C", type=float, default=1.0, help="inverse regularisation strength (default 1.0)")
+    t.add_argument("--label-rule", default=DEFAULT_LABEL_RULE, choices=list(LABEL_RULES),
+                   help="what the model learns (default: gain = P(strong right) and P(weak right), scored by "
+                        "their difference; strong_only = strong right and weak wrong; see docs/router.md)")
+    t.add_argument("--C", type=float, default=DEFAULT_C,
+                   help=f"inverse regularisation strength (default {DEFAULT_C})")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.set_defaults(func=_guard(_train))
 

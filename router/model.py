@@ -3,7 +3,8 @@
 Training (router/train.py) fits a scikit-learn logistic regression on the features of
 router/features.py; the file keeps only what scoring needs — the feature settings, the idf
 vector, the coefficients with the dense-feature standardisation folded in, and the intercept —
-as a NumPy .npz archive plus JSON metadata. Loading never unpickles (allow_pickle=False), so
+as a NumPy .npz archive plus JSON metadata. A "gain" model (the default label rule) has a second
+head, P(weak model right), over the same features; both heads share one pass over the n-grams. Loading never unpickles (allow_pickle=False), so
 a model file cannot run code. Scoring redoes the hashing and the sparse dot product in numpy:
 no sklearn call per request.
 """
@@ -24,7 +25,8 @@ from router.conversation import parse
 from router.features import N_DENSE, FeatureConfig, dense_features, hashed_indices
 
 MODEL_FORMAT = "switchyard-difficulty-model"
-MODEL_FORMAT_VERSION = 1
+MODEL_FORMAT_VERSION = 2
+READABLE_FORMAT_VERSIONS = (1, 2)  # 2 added the optional weak head
 
 
 class ModelFileError(ValueError):
@@ -35,6 +37,7 @@ class DifficultyModel:
     """Scores a request with P(strong backend needed) in [0, 1]. Route strong iff score >= threshold."""
 
     __slots__ = (
+        "_coefs",
         "_local",
         "coef",
         "coef_idf",
@@ -45,11 +48,15 @@ class DifficultyModel:
         "intercept",
         "meta",
         "version",
+        "weak_coef",
+        "weak_dense_coef",
+        "weak_intercept",
     )
 
     def __init__(self, config: FeatureConfig, coef: np.ndarray, idf: np.ndarray | None, dense_coef: np.ndarray,
                  intercept: float, default_threshold: float | None = None, meta: dict | None = None,
-                 version: str = "unsaved") -> None:
+                 version: str = "unsaved",
+                 weak_head: tuple[np.ndarray, np.ndarray, float] | None = None) -> None:
         n = 1 << config.n_bits
         if coef.shape != (n,):
             raise ModelFileError(f"coefficient vector has shape {coef.shape}, expected ({n},)")
@@ -64,6 +71,19 @@ class DifficultyModel:
         self.coef_idf = self.coef if self.idf is None else self.coef * self.idf
         self.dense_coef = np.ascontiguousarray(dense_coef, dtype=np.float64)
         self.intercept = float(intercept)
+        self.weak_coef = self.weak_dense_coef = self.weak_intercept = None
+        self._coefs = self.coef_idf[:, None]
+        if weak_head is not None:
+            wc, wd, wi = weak_head
+            if np.shape(wc) != (n,) or np.shape(wd) != (expected_dense,):
+                raise ModelFileError(f"weak head has shapes {np.shape(wc)}, {np.shape(wd)}; "
+                                     f"expected ({n},), ({expected_dense},)")
+            self.weak_coef = np.ascontiguousarray(wc, dtype=np.float64)
+            self.weak_dense_coef = np.ascontiguousarray(wd, dtype=np.float64)
+            self.weak_intercept = float(wi)
+            # One gather per n-gram serves both heads: columns = (strong-side, weak) weights × idf.
+            w_idf = self.weak_coef if self.idf is None else self.weak_coef * self.idf
+            self._coefs = np.ascontiguousarray(np.stack([self.coef_idf, w_idf], axis=1))
         self.default_threshold = None if default_threshold is None else float(default_threshold)
         self.meta = dict(meta or {})
         self.version = version
@@ -77,10 +97,16 @@ class DifficultyModel:
             s = self._local.scratch = np.zeros(self.coef.size, dtype=np.float64)
         return s
 
-    def decision(self, messages: list[dict] | str) -> float:
-        """The logit behind score(): w·x + b."""
+    @property
+    def has_weak_head(self) -> bool:
+        return self.weak_coef is not None
+
+    def logits(self, messages: list[dict] | str) -> np.ndarray:
+        """Each head's w·x + b: [strong-needed] for a one-head model, [strong right, weak right]
+        for a gain model."""
         conv = parse(messages)
-        z = self.intercept
+        heads = self._coefs.shape[1]
+        z = np.zeros(heads)
         scratch = self._scratch()
         for idx in hashed_indices(conv, self.config):
             if idx.size == 0:
@@ -97,18 +123,28 @@ class DifficultyModel:
                 t = tf * self.idf[idx]
                 norm2 = float(np.sum(t * t / c))
             if norm2 > 0.0:
-                z += float(np.sum(tf / c * self.coef_idf[idx])) / math.sqrt(norm2)
+                z += ((tf / c) @ self._coefs[idx]) / math.sqrt(norm2)
+        z[0] += self.intercept
+        if heads == 2:
+            z[1] += self.weak_intercept
         if self.config.dense:
-            z += float(self.dense_coef @ dense_features(conv))
+            d = dense_features(conv)
+            z[0] += float(self.dense_coef @ d)
+            if heads == 2:
+                z[1] += float(self.weak_dense_coef @ d)
         return z
 
     def score(self, messages: list[dict] | str) -> float:
-        """P(strong backend needed), 0..1."""
-        z = self.decision(messages)
-        if z >= 0:
-            return 1.0 / (1.0 + math.exp(-z))
-        e = math.exp(z)
-        return e / (1.0 + e)
+        """P(strong backend needed), 0..1 (a gain model: see _combine)."""
+        return _combine(self.logits(messages))
+
+    def decision(self, messages: list[dict] | str) -> float:
+        """The logit of score()."""
+        z = self.logits(messages)
+        if z.size == 1:
+            return float(z[0])
+        p = _combine(z)
+        return math.log(p) - math.log1p(-p) if 0.0 < p < 1.0 else math.copysign(math.inf, p - 0.5)
 
     def score_many(self, requests: list) -> np.ndarray:
         return np.fromiter((self.score(r) for r in requests), dtype=np.float64, count=len(requests))
@@ -119,10 +155,15 @@ class DifficultyModel:
         meta = dict(self.meta)
         meta.update(format=MODEL_FORMAT, format_version=MODEL_FORMAT_VERSION, features=self.config.to_dict(),
                     intercept=self.intercept, default_threshold=self.default_threshold)
+        if self.has_weak_head:
+            meta["weak_intercept"] = self.weak_intercept
         arrays = {"coef": self.coef.astype(np.float32), "dense_coef": self.dense_coef,
                   "meta": np.frombuffer(json.dumps(meta, sort_keys=True).encode(), dtype=np.uint8)}
         if self.idf is not None:
             arrays["idf"] = self.idf.astype(np.float32)
+        if self.has_weak_head:
+            arrays["weak_coef"] = self.weak_coef.astype(np.float32)
+            arrays["weak_dense_coef"] = self.weak_dense_coef
         buf = io.BytesIO()
         np.savez_compressed(buf, **arrays)
         return buf.getvalue()
@@ -158,19 +199,25 @@ class DifficultyModel:
             raise ModelFileError(f"{source}: model file has no readable metadata; retrain it") from e
         if meta.get("format") != MODEL_FORMAT:
             raise ModelFileError(f"{source}: not a Switchyard difficulty model (format {meta.get('format')!r})")
-        if meta.get("format_version") != MODEL_FORMAT_VERSION:
+        if meta.get("format_version") not in READABLE_FORMAT_VERSIONS:
             raise ModelFileError(f"{source}: model format version {meta.get('format_version')} is not supported "
-                                 f"(this build reads {MODEL_FORMAT_VERSION}); retrain with this version")
+                                 f"(this build reads {', '.join(map(str, READABLE_FORMAT_VERSIONS))}); retrain with this version")
         try:
             config = FeatureConfig.from_dict(meta["features"])
+            weak_head = None
+            if "weak_coef" in arrays:
+                weak_head = (arrays["weak_coef"].astype(np.float64), arrays["weak_dense_coef"],
+                             meta["weak_intercept"])
             model = cls(config, arrays["coef"].astype(np.float64),
                         arrays["idf"].astype(np.float64) if "idf" in arrays else None,
                         arrays["dense_coef"], meta["intercept"], meta.get("default_threshold"), meta,
-                        version=_content_version(data))
+                        version=_content_version(data), weak_head=weak_head)
         except (KeyError, TypeError) as e:
             raise ModelFileError(f"{source}: model file is incomplete ({e}); retrain it") from e
-        if not (np.isfinite(model.coef).all() and np.isfinite(model.dense_coef).all()
-                and math.isfinite(model.intercept)):
+        if not (np.isfinite(model._coefs).all() and np.isfinite(model.dense_coef).all()
+                and math.isfinite(model.intercept)
+                and (not model.has_weak_head or (np.isfinite(model.weak_dense_coef).all()
+                                                 and math.isfinite(model.weak_intercept)))):
             raise ModelFileError(f"{source}: model coefficients contain NaN or infinity; retrain it")
         return model
 
@@ -184,6 +231,28 @@ class DifficultyModel:
         except IsADirectoryError as e:
             raise ModelFileError(f"{path}: is a directory, expected a model file") from e
         return cls.from_bytes(data, source=str(path))
+
+
+_FLOOR_SHARPNESS = 20.0
+
+
+def _combine(z: np.ndarray) -> float:
+    """Head logits → score. A gain model scores the expected gain d = P(strong right) - P(weak
+    right) (ranking by d is what maximises quality at any share of strong calls), which equals
+    P(strong needed) when the strong model is right wherever the weak one is. d < 0 is floored
+    smoothly (softplus) rather than clipped, so requests with a negative gain still keep their order."""
+    if z.size == 1:
+        return _sigmoid(float(z[0]))
+    d = _sigmoid(float(z[0])) - _sigmoid(float(z[1]))
+    k = _FLOOR_SHARPNESS
+    return min(1.0, max(k * d, 0.0) / k + math.log1p(math.exp(-abs(k * d))) / k)
+
+
+def _sigmoid(z: float) -> float:
+    if z >= 0:
+        return 1.0 / (1.0 + math.exp(-z))
+    e = math.exp(z)
+    return e / (1.0 + e)
 
 
 def _content_version(data: bytes) -> str:
@@ -207,7 +276,7 @@ def _seed_fingerprint() -> str:
         h.update(p.name.encode())
         h.update(p.read_bytes())
     here = Path(__file__).resolve().parent
-    for name in ("features.py", "train.py", "conversation.py", "model.py"):
+    for name in ("features.py", "train.py", "conversation.py", "model.py", "defaults.py"):
         h.update((here / name).read_bytes())
     return h.hexdigest()[:12]
 

@@ -2,6 +2,10 @@
 
 Label rules (what "strong needed" means for a training row; see docs/router.md for the
 measurements behind the default):
+  gain             two heads, P(strong right) and P(weak right), each a logistic regression on all
+                   rows; the score ranks by the expected gain P(strong) - P(weak), which is what
+                   the quality-vs-cost curve rewards. Uses every label, including the rows the
+                   weak model got right and the strong one wrong.
   strong_only      strong right and weak wrong → 1, everything else → 0
   weak_wrong       weak wrong → 1 (whether or not the strong model got it right)
   skip_both_wrong  like strong_only, but rows both models got wrong are left out of training:
@@ -16,17 +20,16 @@ import numpy as np
 import scipy.sparse as sp
 
 from router.conversation import parse
+from router.defaults import DEFAULT_C, DEFAULT_LABEL_RULE, LABEL_RULES
 from router.features import FeatureConfig, dense_features, hashed_indices, weighted_block
 from router.model import DifficultyModel
-
-LABEL_RULES = ("strong_only", "weak_wrong", "skip_both_wrong")
 
 
 @dataclass(frozen=True, slots=True)
 class TrainConfig:
     features: FeatureConfig = field(default_factory=FeatureConfig)
-    label: str = "strong_only"
-    C: float = 1.0                  # inverse L2 strength of the logistic regression
+    label: str = DEFAULT_LABEL_RULE
+    C: float = DEFAULT_C            # inverse L2 strength of the logistic regression
     balanced: bool = False          # class_weight="balanced"
 
 
@@ -34,7 +37,7 @@ def labels(weak: np.ndarray, strong: np.ndarray, rule: str) -> tuple[np.ndarray,
     """(y, keep): the 0/1 target and which rows train."""
     weak = np.asarray(weak, dtype=bool)
     strong = np.asarray(strong, dtype=bool)
-    if rule == "strong_only":
+    if rule in ("strong_only", "gain"):  # gain: the "strong needed" view, for checks and reports
         return strong & ~weak, np.ones(weak.size, dtype=bool)
     if rule == "weak_wrong":
         return ~weak, np.ones(weak.size, dtype=bool)
@@ -130,6 +133,23 @@ def fit_logistic(x: sp.csr_matrix, y: np.ndarray, C: float = 1.0, balanced: bool
     return w, float(clf.intercept_[0])
 
 
+def _fit_head(x: sp.csr_matrix, y: np.ndarray, C: float, balanced: bool) -> tuple[np.ndarray, float]:
+    """One logistic head; a head whose label never varies (say, the strong model is always right)
+    is the constant log-odds of its smoothed rate, so the other head alone ranks the requests."""
+    k, n = int(y.sum()), y.size
+    if k in (0, n):
+        return np.zeros(x.shape[1]), float(np.log((k + 0.5) / (n - k + 0.5)))
+    return fit_logistic(x, y, C, balanced)
+
+
+def _unfold_dense(w: np.ndarray, b: float, cfg: FeatureConfig, scaler: DenseScaler) -> tuple:
+    """(hashed weights, dense weights on raw features, intercept): the standardisation folded in."""
+    n_hash = 1 << cfg.n_bits
+    w_dense = w[n_hash:] / scaler.std if cfg.dense else np.zeros(0)
+    intercept = b - (float(w_dense @ scaler.mean) if cfg.dense else 0.0)
+    return w[:n_hash].copy(), w_dense, intercept
+
+
 def fit_featurized(f: Featurized, weak: np.ndarray, strong: np.ndarray, tc: TrainConfig,
                    meta: dict | None = None) -> DifficultyModel:
     cfg = tc.features
@@ -143,14 +163,17 @@ def fit_featurized(f: Featurized, weak: np.ndarray, strong: np.ndarray, tc: Trai
     idf = inverse_document_frequency(sub.blocks, cfg.n_bits) if cfg.use_idf else None
     scaler = DenseScaler.fit(sub.dense)
     x = design_matrix(sub, cfg, idf, scaler)
-    w, b = fit_logistic(x, y[rows], tc.C, tc.balanced)
-    n_hash = 1 << cfg.n_bits
-    w_dense = w[n_hash:] / scaler.std if cfg.dense else np.zeros(0)
-    intercept = b - (float(w_dense @ scaler.mean) if cfg.dense else 0.0)
+    weak_head = None
+    if tc.label == "gain":
+        coef, w_dense, intercept = _unfold_dense(*_fit_head(x, np.asarray(strong, bool)[rows], tc.C, tc.balanced),
+                                                 cfg, scaler)
+        weak_head = _unfold_dense(*_fit_head(x, np.asarray(weak, bool)[rows], tc.C, tc.balanced), cfg, scaler)
+    else:
+        coef, w_dense, intercept = _unfold_dense(*fit_logistic(x, y[rows], tc.C, tc.balanced), cfg, scaler)
     info = {"label_rule": tc.label, "C": tc.C, "balanced": tc.balanced, "train_rows": int(y.size),
             "train_rows_used": int(rows.size), "train_positive_share": float(y[rows].mean())}
     info.update(meta or {})
-    return DifficultyModel(cfg, w[:n_hash].copy(), idf, w_dense, intercept, meta=info)
+    return DifficultyModel(cfg, coef, idf, w_dense, intercept, meta=info, weak_head=weak_head)
 
 
 def fit(requests: list, weak: np.ndarray, strong: np.ndarray, tc: TrainConfig | None = None,

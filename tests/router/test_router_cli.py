@@ -86,6 +86,18 @@ def test_round_trip_csv_train_eval_calibrate(labelled_csv: Path, tmp_path: Path)
     assert np.mean(scores >= route.threshold) == pytest.approx(0.5, abs=0.05)
 
 
+def test_label_rule_and_C_reach_the_model(labelled_csv: Path, tmp_path: Path):
+    from router.model import DifficultyModel
+
+    default, single = tmp_path / "gain.npz", tmp_path / "single.npz"
+    assert main(["router", "train", "--data", str(labelled_csv), "--out", str(default), "--quiet"]) == 0
+    assert main(["router", "train", "--data", str(labelled_csv), "--out", str(single), "--quiet",
+                 "--label-rule", "strong_only", "--C", "2"]) == 0
+    g, s = DifficultyModel.load(default), DifficultyModel.load(single)
+    assert (g.meta["label_rule"], g.meta["C"], g.has_weak_head) == ("gain", 0.3, True)
+    assert (s.meta["label_rule"], s.meta["C"], s.has_weak_head) == ("strong_only", 2.0, False)
+
+
 def test_jsonl_with_messages_and_budget_calibration(labelled_jsonl: Path, tmp_path: Path, capsys):
     model = tmp_path / "m.npz"
     r = run_cli("router", "train", "--data", str(labelled_jsonl), "--out", str(model), "--quiet")

@@ -31,17 +31,68 @@ def small_model() -> DifficultyModel:
                np.array([r["strong_correct"] for r in rows]), TrainConfig(C=3.0))
 
 
-def test_fast_score_matches_the_training_matrix(small_model: DifficultyModel):
-    """The per-request path (scratch counts, no sort) computes what training computed (np.unique)."""
-    cfg = small_model.config
+@pytest.mark.parametrize("label", ["gain", "strong_only"])
+def test_fast_score_matches_the_training_matrix(small_model: DifficultyModel, label: str):
+    """The per-request path (scratch counts, no sort) computes what training computed (np.unique),
+    for each head of the model."""
+    model = small_model
+    if label != "gain":
+        rows = make_rows(120, seed=5)
+        model = fit([r["prompt"] for r in rows], np.array([r["weak_correct"] for r in rows]),
+                    np.array([r["strong_correct"] for r in rows]), TrainConfig(label=label, C=3.0))
+    cfg = model.config
     requests = [r["prompt"] for r in make_rows(30, seed=9)] + [
         [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "prove it, prove it again"}]]
     f = featurize(requests, cfg)
-    expected = (hashed_matrix(f.blocks, cfg.n_bits, small_model.idf) @ small_model.coef
-                + f.dense @ small_model.dense_coef + small_model.intercept)
-    got = np.array([small_model.decision(r) for r in requests])
-    np.testing.assert_allclose(got, expected, rtol=1e-9, atol=1e-9)
-    assert np.ptp(got) > 0.1  # the comparison is not between constants
+    x = hashed_matrix(f.blocks, cfg.n_bits, model.idf)
+    heads = [(model.coef, model.dense_coef, model.intercept)]
+    if label == "gain":
+        assert model.has_weak_head
+        heads.append((model.weak_coef, model.weak_dense_coef, model.weak_intercept))
+    got = np.array([model.logits(r) for r in requests])
+    assert got.shape == (len(requests), len(heads))
+    for h, (coef, dense_coef, intercept) in enumerate(heads):
+        expected = x @ coef + f.dense @ dense_coef + intercept
+        np.testing.assert_allclose(got[:, h], expected, rtol=1e-9, atol=1e-9)
+        assert np.ptp(got[:, h]) > 0.1  # the comparison is not between constants
+
+
+def test_gain_score_ranks_by_expected_gain(small_model: DifficultyModel):
+    """A gain model's score is monotone in P(strong right) - P(weak right), stays in [0, 1], and
+    keeps requests with a negative expected gain apart instead of tying them at 0."""
+    def sig(z):
+        return 1 / (1 + np.exp(-z))
+
+    requests = [r["prompt"] for r in make_rows(40, seed=11)] + ["hi", "prove it"]
+    z = np.array([small_model.logits(r) for r in requests])
+    gain = sig(z[:, 0]) - sig(z[:, 1])
+    scores = small_model.score_many(requests)
+    assert ((scores >= 0) & (scores <= 1)).all()
+    order = np.argsort(gain)
+    assert (np.diff(scores[order]) >= 0).all() and np.ptp(gain) > 0.3
+    from router.model import _combine
+
+    assert 0 < _combine(np.array([-3.0, 3.0])) < _combine(np.array([-2.0, 3.0])) < 0.01  # both negative gains
+    assert _combine(np.array([4.0, -4.0])) == pytest.approx(sig(4) - sig(-4), abs=1e-6)
+
+
+def test_version_1_files_without_a_weak_head_still_load(tmp_path: Path):
+    rows = make_rows(80, seed=3)
+    one_head = fit([r["prompt"] for r in rows], np.array([r["weak_correct"] for r in rows]),
+                   np.array([r["strong_correct"] for r in rows]), TrainConfig(label="strong_only"))
+    assert not one_head.has_weak_head
+    import io
+    import json
+
+    with np.load(io.BytesIO(one_head.to_bytes()), allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files}
+    meta = json.loads(arrays["meta"].tobytes())
+    meta["format_version"] = 1
+    arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    old = DifficultyModel.from_bytes(buf.getvalue())
+    assert old.score("prove the theorem") == pytest.approx(one_head.score("prove the theorem"), abs=1e-5)
 
 
 def test_save_load_round_trip(small_model: DifficultyModel, tmp_path: Path):
@@ -52,8 +103,10 @@ def test_save_load_round_trip(small_model: DifficultyModel, tmp_path: Path):
     assert not [p for p in path.parent.iterdir() if p.name != "m.npz"]  # no temp file left behind
     loaded = DifficultyModel.load(path)
     assert loaded.version == version and loaded.default_threshold == 0.42
+    assert loaded.has_weak_head and loaded.meta["label_rule"] == "gain"
     for r in ["hello there", "prove the theorem on convergence of the integral step by step"]:
         assert loaded.score(r) == pytest.approx(small_model.score(r), abs=1e-5)  # coefficients stored as float32
+        np.testing.assert_allclose(loaded.logits(r), small_model.logits(r), atol=1e-4)
 
 
 def test_wrong_format_version_is_refused(small_model: DifficultyModel, tmp_path: Path):
