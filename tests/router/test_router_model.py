@@ -76,6 +76,26 @@ def test_gain_score_ranks_by_expected_gain(small_model: DifficultyModel):
     assert _combine(np.array([4.0, -4.0])) == pytest.approx(sig(4) - sig(-4), abs=1e-6)
 
 
+def test_length_scale_lets_a_small_set_learn_length():
+    """Where longer prompts are the hard ones, the lightly penalised length feature carries more
+    weight with length_scale=10 than without, and the model then ranks by length."""
+    from router.features import DENSE_NAMES
+
+    rng = np.random.default_rng(0)
+    words = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta"]
+    prompts = [" ".join(rng.choice(words, size=int(n))) for n in rng.integers(2, 60, size=60)]
+    hard = np.array([len(p) > 150 for p in prompts])
+    weak = ~hard ^ (rng.random(60) < 0.1)  # a little label noise
+    col = DENSE_NAMES.index("log_query_chars")
+    plain = fit(prompts, weak, np.ones(60, bool), TrainConfig(length_scale=1.0))
+    scaled = fit(prompts, weak, np.ones(60, bool), TrainConfig())
+    assert scaled.meta["length_scale"] == 10.0
+    # weak head: longer → less likely right; the scaled fit leans on length harder
+    assert scaled.weak_dense_coef[col] < plain.weak_dense_coef[col] < 0
+    short, long_ = " ".join(words[:3]), " ".join(words * 6)
+    assert scaled.score(long_) > scaled.score(short)
+
+
 def test_version_1_files_without_a_weak_head_still_load(tmp_path: Path):
     rows = make_rows(80, seed=3)
     one_head = fit([r["prompt"] for r in rows], np.array([r["weak_correct"] for r in rows]),
