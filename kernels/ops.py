@@ -3,8 +3,9 @@
 Dispatch (the variable is looked at per call, so tests can flip it):
   SWITCHYARD_KERNELS unset/"auto": CUDA tensors -> Triton (when triton imports); CPU tensors -> the
                                     compiled CPU kernels of kernels/cpu_native.py where they apply
-                                    (decode attention; fp32 rotary, KV write, RMSNorm, few-row linear), else the
-                                    plain-torch reference (vectorised; the rest of the engine's CPU path).
+                                    (decode attention; fp32 rotary, KV write, RMSNorm, SiLU-and-multiply, the
+                                    prepacked panel GEMM and the few-row GEMV), else the plain-torch reference
+                                    (vectorised; the rest of the engine's CPU path).
   SWITCHYARD_KERNELS=triton:        Triton always (on CPU this needs TRITON_INTERPRET=1 and is slow).
   SWITCHYARD_KERNELS=reference:     the reference always (SWITCHYARD_CPU_NATIVE=0 only turns the native
                                     CPU kernels off).
