@@ -32,9 +32,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch
 
-SMOLLM_135M = {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
-               "intermediate_size": 1536, "vocab_size": 49152, "tie_word_embeddings": True,
-               "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0}
+# The throughput benchmark's model shape (bench/, this script's folder, is on sys.path).
+from engine_throughput import SMOLLM_135M
 
 
 def build_model(directory: Path, layers: int) -> None:

@@ -11,7 +11,6 @@ ignores load and the fallback chain handles a dead engine.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -20,6 +19,8 @@ from dataclasses import dataclass
 
 import httpx
 from prometheus_client import Counter
+
+from gateway.tasks import cancel_and_wait
 
 log = logging.getLogger("switchyard.engine_load")
 
@@ -192,10 +193,7 @@ class EngineLoadMonitor:
 
     async def aclose(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
         if self._client is not None:
             await self._client.aclose()
             self._client = None

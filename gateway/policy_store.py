@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from gateway.policy import Policy, PolicyError, load_policy, policy_warnings
+from gateway.tasks import cancel_and_wait, poll_forever
 
 log = logging.getLogger("switchyard.policy")
 
@@ -48,12 +49,7 @@ class PolicyStore:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(task)
 
     async def check_now(self) -> bool:
         """Reload if the file changed since the last look. Returns True when a new policy was swapped in."""
@@ -100,9 +96,4 @@ class PolicyStore:
         return (st.st_mtime_ns, st.st_size)
 
     async def _watch(self) -> None:
-        while True:
-            await asyncio.sleep(self.poll_interval_s)
-            try:
-                await self.check_now()
-            except Exception:
-                log.exception("policy watcher error")
+        await poll_forever(self.check_now, self.poll_interval_s, "policy watcher")

@@ -16,6 +16,7 @@ import gateway  # noqa: F401  (sets LITELLM_LOCAL_MODEL_COST_MAP before litellm 
 
 if TYPE_CHECKING:
     from gateway.backends.base import Usage
+    from gateway.ledger.record import LedgerRecord
     from gateway.policy import BackendSpec, Policy, RouteSpec
 
 # A GPU that is busy 2% of the time would otherwise charge each request 50× its device time.
@@ -134,6 +135,20 @@ def request_cost(spec: BackendSpec, usage: Usage, device_seconds: float | None =
     tokens = usage.prompt_tokens + usage.completion_tokens
     input_usd = total * usage.prompt_tokens / tokens if tokens else 0.0
     return Cost(input_usd, total - input_usd, total, "gpu_amortized")
+
+
+def charge(record: LedgerRecord, spec: BackendSpec, usage: Usage, device_seconds: float | None,
+           utilisation: float | None, policy: Policy, route: RouteSpec) -> None:
+    """Fill a ledger row's token counts and cost columns for a request `spec` served with `usage`."""
+    cost = request_cost(spec, usage, device_seconds, utilisation)
+    record.prompt_tokens = usage.prompt_tokens
+    record.cached_prompt_tokens = usage.cached_prompt_tokens
+    record.completion_tokens = usage.completion_tokens
+    record.input_cost_usd, record.output_cost_usd = cost.input_usd, cost.output_usd
+    record.cost_usd, record.cost_basis = cost.total_usd, cost.basis
+    record.gpu_seconds = device_seconds if spec.kind == "engine" else None
+    record.counterfactual_cost_usd = counterfactual_cost(policy, route, usage)
+    record.price_table_version = price_table_version()
 
 
 def counterfactual_cost(policy: Policy, route: RouteSpec, usage: Usage) -> float | None:

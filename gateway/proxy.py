@@ -290,22 +290,15 @@ def _finish(gw: Gateway, call: Call, spec: BackendSpec | None, completion: Compl
         usage = completion.usage
         if completion.body.get("model"):
             record.served_model = completion.body["model"]
-        cost = pricing.request_cost(spec, usage, completion.device_seconds, completion.utilisation)
-        record.prompt_tokens = usage.prompt_tokens
-        record.cached_prompt_tokens = usage.cached_prompt_tokens
-        record.completion_tokens = usage.completion_tokens
-        record.input_cost_usd, record.output_cost_usd = cost.input_usd, cost.output_usd
-        record.cost_usd, record.cost_basis = cost.total_usd, cost.basis
-        record.gpu_seconds = completion.device_seconds if spec.kind == "engine" else None
-        record.counterfactual_cost_usd = pricing.counterfactual_cost(call.policy, call.route, usage)
-        record.price_table_version = pricing.price_table_version()
+        pricing.charge(record, spec, usage, completion.device_seconds, completion.utilisation, call.policy,
+                       call.route)
         if spec.kind == "engine" and completion.device_seconds is not None and status == "ok":
             gw.pool.observe_device_seconds(spec.name, usage, completion.device_seconds)
         gw.limiter.record_tokens(call.key, usage.prompt_tokens + usage.completion_tokens)
         metrics.TOKENS.labels(spec.name, "prompt").inc(usage.prompt_tokens)
         metrics.TOKENS.labels(spec.name, "cached_prompt").inc(usage.cached_prompt_tokens)
         metrics.TOKENS.labels(spec.name, "completion").inc(usage.completion_tokens)
-        metrics.COST.labels(spec.name, cost.basis).inc(cost.total_usd)
+        metrics.COST.labels(spec.name, record.cost_basis).inc(record.cost_usd)
     if call.completion_parts and call.route.log_prompts:
         record.completion_text = "".join(call.completion_parts)
     gw.budgets.settle(call.reservation, record.cost_usd)

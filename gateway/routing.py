@@ -19,7 +19,6 @@ Reasons written to the ledger's `route_reason` (see docs/router.md, "Routing in 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from gateway.engine_load import UNKNOWN, EngineLoad, EngineLoadMonitor
 from gateway.policy import IdleSpec, Policy, RouteSpec, SpilloverSpec
+from gateway.tasks import cancel_and_wait, poll_forever
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
@@ -210,19 +210,11 @@ class DifficultyModels:
                     await self._load_into(key)
 
     async def _watch(self) -> None:
-        while True:
-            await asyncio.sleep(self.poll_interval_s)
-            try:
-                await self.check_now()
-            except Exception:
-                log.exception("difficulty model watcher error")
+        await poll_forever(self.check_now, self.poll_interval_s, "difficulty model watcher")
 
     async def aclose(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
 
 
 class RoutingRuntime:

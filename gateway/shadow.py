@@ -19,15 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import random
 import time
 import uuid
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING
 
 import orjson
 from prometheus_client import Counter
@@ -37,7 +36,7 @@ from gateway import admission, pricing
 from gateway.backends.base import UpstreamError
 from gateway.backends.resilience import complete_with_fallbacks
 from gateway.ledger.models import ShadowEvalRow
-from gateway.ledger.record import LedgerRecord
+from gateway.ledger.record import LedgerRecord, SpoolRecord
 from gateway.ledger.writer import LedgerWriter
 
 if TYPE_CHECKING:
@@ -127,7 +126,7 @@ def conversation_text(body: dict, endpoint: str) -> str:
 
 
 @dataclass(slots=True)
-class ShadowRecord:
+class ShadowRecord(SpoolRecord):
     """Mirrors ShadowEvalRow (all columns but the autoincrement id)."""
 
     request_id: str
@@ -149,33 +148,19 @@ class ShadowRecord:
     model_version: str | None = None
     policy_version: str | None = None
 
-    def to_row(self) -> dict[str, Any]:
-        row = {name: getattr(self, name) for name in _SHADOW_FIELDS}
-        row["created_at"] = self.created_at.astimezone(UTC)
-        return row
 
-    def to_json(self) -> dict[str, Any]:
-        row = {name: getattr(self, name) for name in _SHADOW_FIELDS}
-        row["created_at"] = self.created_at.astimezone(UTC).isoformat()
-        return row
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> ShadowRecord:
-        known = {k: v for k, v in data.items() if k in _SHADOW_FIELDS}
-        known["created_at"] = datetime.fromisoformat(known["created_at"])
-        return cls(**known)
-
-
-_SHADOW_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(ShadowRecord))
 _SHADOW_TABLE = ShadowEvalRow.__table__
 
 
 class ShadowEvalWriter(LedgerWriter):
     """The ledger writer's queue, batching, spool and replay, pointed at `shadow_evals` (its own spool file).
 
-    Reuses LedgerWriter unchanged except for the INSERT statement and the spool line parser; its Prometheus
-    series (switchyard_ledger_rows_*) therefore count these rows together with the ledger's.
+    Reuses LedgerWriter unchanged except for the INSERT statement and the record type its spool lines are
+    read back as; its Prometheus series (switchyard_ledger_rows_*) therefore count these rows together
+    with the ledger's.
     """
+
+    record_type = ShadowRecord
 
     async def start(self) -> None:
         await super().start()  # creates the background task; it first runs after this method returns
@@ -183,22 +168,6 @@ class ShadowEvalWriter(LedgerWriter):
         insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
         self._insert = (insert(_SHADOW_TABLE).on_conflict_do_nothing(index_elements=["request_id"])
                         .returning(_SHADOW_TABLE.c.request_id))
-
-    def _read_chunk(self, f: TextIO, max_rows: int) -> list[dict[str, Any]]:
-        rows: list[dict[str, Any]] = []
-        while len(rows) < max_rows:
-            line = f.readline()
-            if not line:
-                break
-            if not line.strip():
-                continue
-            try:
-                rows.append(ShadowRecord.from_json(json.loads(line)).to_row())
-            except Exception as exc:  # noqa: BLE001 - a line torn by a crash: set aside, keep the rest
-                log.error("unreadable shadow spool line kept in %s: %s", self.rejected_path, exc)
-                self._append_lines(self.rejected_path, [json.dumps({"error": str(exc), "line": line}) + "\n"],
-                                   fsync=True)
-        return rows
 
 
 # ---------------------------------------------------------------- sampling and the workers
@@ -347,18 +316,11 @@ class ShadowRunner:
             record.latency_ms = (time.perf_counter() - started) * 1000
             gw.writer.submit(record)
             return None
-        usage = completion.usage
-        cost = pricing.request_cost(spec, usage, completion.device_seconds, completion.utilisation)
         record.attempts, record.http_status = attempts, 200
         record.latency_ms = (time.perf_counter() - started) * 1000
         record.served_model = completion.body.get("model") or spec.model
-        record.prompt_tokens, record.completion_tokens = usage.prompt_tokens, usage.completion_tokens
-        record.cached_prompt_tokens = usage.cached_prompt_tokens
-        record.input_cost_usd, record.output_cost_usd = cost.input_usd, cost.output_usd
-        record.cost_usd, record.cost_basis = cost.total_usd, cost.basis
-        record.gpu_seconds = completion.device_seconds if spec.kind == "engine" else None
-        record.counterfactual_cost_usd = pricing.counterfactual_cost(ticket.policy, ticket.route, usage)
-        record.price_table_version = pricing.price_table_version()
+        pricing.charge(record, spec, completion.usage, completion.device_seconds, completion.utilisation,
+                       ticket.policy, ticket.route)
         gw.writer.submit(record)
         return answer_text(completion.body)
 

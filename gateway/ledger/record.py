@@ -1,13 +1,51 @@
 """LedgerRecord: one request's ledger row, filled in by the gateway as the request progresses."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from typing import Any
 
 
+class SpoolRecord:
+    """Row conversions shared by the rows the ledger writer handles (LedgerRecord, shadow.ShadowRecord): a
+    slots dataclass whose fields are its table's columns, with a `created_at` datetime (naive = UTC)."""
+
+    __slots__ = ()
+
+    def to_row(self) -> dict[str, Any]:
+        """Column name -> value for an INSERT; created_at as an aware UTC datetime."""
+        row = {name: getattr(self, name) for name in _field_names(type(self))}  # not asdict(): it deep-copies
+        row["created_at"] = _utc(row["created_at"])
+        return row
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-safe form for the spool file (created_at as ISO-8601 with offset)."""
+        row = self.to_row()
+        row["created_at"] = row["created_at"].isoformat()
+        return row
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]):
+        """Inverse of to_json. Unknown keys (from a newer writer) are ignored, missing ones default."""
+        names = _field_set(cls)
+        known = {k: v for k, v in data.items() if k in names}
+        known["created_at"] = datetime.fromisoformat(known["created_at"])
+        return cls(**known)
+
+
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls))
+
+
+@functools.cache
+def _field_set(cls: type) -> frozenset[str]:
+    return frozenset(_field_names(cls))
+
+
 @dataclass(slots=True)
-class LedgerRecord:
+class LedgerRecord(SpoolRecord):
     """Mirrors RequestRow (all columns but the autoincrement id). Naive datetimes are taken as UTC.
 
     `status` defaults to "ok": the gateway overwrites it with error / client_closed / rejected
@@ -46,29 +84,6 @@ class LedgerRecord:
     route_reason: str | None = None
     prompt_text: str | None = None
     completion_text: str | None = None
-
-    def to_row(self) -> dict[str, Any]:
-        """Column name -> value for an INSERT into `requests`; created_at as an aware UTC datetime."""
-        row = {name: getattr(self, name) for name in _FIELD_ORDER}  # not asdict(): it deep-copies (slow)
-        row["created_at"] = _utc(self.created_at)
-        return row
-
-    def to_json(self) -> dict[str, Any]:
-        """JSON-safe form for the spool file (created_at as ISO-8601 with offset)."""
-        row = {name: getattr(self, name) for name in _FIELD_ORDER}
-        row["created_at"] = _utc(self.created_at).isoformat()
-        return row
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> LedgerRecord:
-        """Inverse of to_json. Unknown keys (from a newer writer) are ignored, missing ones default."""
-        known = {k: v for k, v in data.items() if k in FIELD_NAMES}
-        known["created_at"] = datetime.fromisoformat(known["created_at"])
-        return cls(**known)
-
-
-_FIELD_ORDER: tuple[str, ...] = tuple(f.name for f in fields(LedgerRecord))
-FIELD_NAMES: frozenset[str] = frozenset(_FIELD_ORDER)
 
 
 def _utc(value: datetime) -> datetime:

@@ -101,6 +101,9 @@ def _fsync_dir(path: Path) -> None:
 
 
 class LedgerWriter:
+    # What the spool's JSON lines are read back as (a subclass writing another table sets its own).
+    record_type: type = LedgerRecord
+
     def __init__(self, database_url: str, spool_path: Path, *, max_queue: int = 10_000,
                  batch_size: int = 256, flush_interval_s: float = 0.2,
                  retry_initial_s: float = 0.25, retry_max_s: float = 5.0) -> None:
@@ -525,7 +528,7 @@ class LedgerWriter:
             if not line.strip():
                 continue
             try:
-                rows.append(LedgerRecord.from_json(json.loads(line)).to_row())
+                rows.append(self.record_type.from_json(json.loads(line)).to_row())
             except Exception as exc:  # noqa: BLE001 - e.g. a line torn by a crash mid-write
                 bad.append(json.dumps({"error": f"unreadable spool line: {exc}", "line": line}) + "\n")
         if bad:
