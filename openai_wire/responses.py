@@ -1,0 +1,39 @@
+"""Starlette glue for the OpenAI wire: an error response, and an SSE response that always cleans up."""
+from __future__ import annotations
+
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import anyio
+from starlette.responses import JSONResponse, StreamingResponse
+
+from openai_wire import APIError
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+class EventStreamResponse(StreamingResponse):
+    """An SSE response that runs `on_end` exactly once however it ends: after a normal end, after a send to
+    a client that has gone away (ASGI 2.4 servers raise instead of reporting a disconnect), or when the body
+    never started. The body iterator is closed first, so its own `finally` runs before `on_end`."""
+
+    def __init__(self, content: AsyncIterator[Any], on_end: Callable[[], Awaitable[None] | None],
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
+        self._on_end = on_end
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                aclose = getattr(self.body_iterator, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+                result = self._on_end()
+                if inspect.isawaitable(result):
+                    await result
