@@ -211,7 +211,7 @@ def _drain(engine, ids: list[str]) -> None:
 def measure_decode(engine, *, batch: int, prompt_len: int, steps: int, time_cap: float, seed: int,
                    weight_bytes: int, peak: float | None, copy_gbs: float) -> dict:
     """Time `steps` decode steps in which all `batch` sequences decode (none prefilling)."""
-    from hosted.sampling import SamplingParams
+    from hosted.sampling_params import SamplingParams
 
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size

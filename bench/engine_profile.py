@@ -65,7 +65,7 @@ def decode_batch(mc, batch: int, context: int, spread: float, seed: int, headroo
     `headroom` more tokens each."""
     import random
 
-    from hosted.sampling import SamplingParams
+    from hosted.sampling_params import SamplingParams
     from hosted.scheduler import ScheduledBatch
     from hosted.sequence import SeqStatus, Sequence
 

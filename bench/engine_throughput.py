@@ -141,7 +141,7 @@ def bench_hf_static(model, prompts: list[list[int]], new_tokens: int, batch_size
 
 # ------------------------------------------------------------------------------------------------ (c)
 def bench_engine(engine, prompts: list[list[int]], new_tokens: int) -> dict:
-    from hosted.sampling import SamplingParams
+    from hosted.sampling_params import SamplingParams
 
     engine.generate([prompts[0][:16]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))  # warm-up
     engine.block_manager.reset_prefix_cache()
@@ -211,7 +211,7 @@ def copy_bandwidth(megabytes: int = 512, repeats: int = 6) -> dict:
 
 
 def bench_decode_bandwidth(engine, model_info: dict, prompt_len: int, decode_tokens: int, seed: int) -> dict:
-    from hosted.sampling import SamplingParams
+    from hosted.sampling_params import SamplingParams
 
     mc = engine.model_config
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
@@ -279,7 +279,7 @@ def best_gemm_rate(shape: dict, rows: int = 2048, repeats: int = 5) -> dict:
 
 # ------------------------------------------------------------------------------------------------ prefix TTFT
 def bench_prefix_ttft(engine, system_len: int, question_len: int, trials: int, seed: int) -> dict:
-    from hosted.sampling import SamplingParams
+    from hosted.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     vocab = engine.model_config.vocab_size

@@ -1,7 +1,20 @@
-"""`switchyard engine …` subcommands. Imports torch only inside handlers."""
+"""`switchyard engine …` subcommands and their handlers. Imports torch (and the engine) only inside handlers,
+so `switchyard --help` stays fast."""
 from __future__ import annotations
 
 import argparse
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hosted.models import DEMO_MODEL_DIR
+
+if TYPE_CHECKING:
+    from hosted.async_llm_engine import AsyncLLMEngine
+    from hosted.server_state import ServerState
+    from hosted.tokenizer import Tokenizer
 
 
 def _add_serve(esub: argparse._SubParsersAction) -> None:
@@ -30,19 +43,14 @@ def _add_serve(esub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--log-level", default="info")
 
-    def run(args: argparse.Namespace) -> int:
-        from hosted.server import cli_serve
-
-        return cli_serve(args)
-
-    p.set_defaults(func=run)
+    p.set_defaults(func=cli_serve)
 
 
 def _add_train_demo(esub: argparse._SubParsersAction) -> None:
     p = esub.add_parser("train-demo", help="train the bundled demo model and its tokenizer",
                         description="Train a small Llama-architecture model and a BPE tokenizer on text every "
                                     "machine has offline (the Python standard library's docs and docstrings).")
-    p.add_argument("--out", default="hosted/models/demo", help="output checkpoint directory (HF layout)")
+    p.add_argument("--out", default=DEMO_MODEL_DIR, help="output checkpoint directory (HF layout)")
     p.add_argument("--work-dir", default="data/train-demo", help="checkpoints for resuming")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--minutes", type=float, default=None, help="stop after this much training time")
@@ -52,7 +60,7 @@ def _add_train_demo(esub: argparse._SubParsersAction) -> None:
     p.add_argument("--export-only", action="store_true", help="export the checkpoint in --work-dir; no training")
 
     def run(args: argparse.Namespace) -> int:
-        from hosted.train_demo import cli_train_demo
+        from hosted.tools.train_demo import cli_train_demo
 
         return cli_train_demo(args)
 
@@ -64,3 +72,87 @@ def register(sub: argparse._SubParsersAction) -> None:
     esub = p.add_subparsers(dest="engine_command", required=True)
     _add_serve(esub)
     _add_train_demo(esub)
+
+
+# ---------------------------------------------------------------------------------------------- serve
+def load_model(args: argparse.Namespace) -> tuple[AsyncLLMEngine, Tokenizer]:
+    """Build the tokenizer and engine from `switchyard engine serve` arguments."""
+    from hosted.async_llm_engine import AsyncLLMEngine
+    from hosted.engine import EngineConfig, LLMEngine
+    from hosted.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(args.model)
+    config = EngineConfig(model_dir=args.model, dtype=args.dtype, device=args.device,
+                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                          kv_cache_gb=args.kv_cache_gb, num_kv_blocks=getattr(args, "num_kv_blocks", None),
+                          block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
+                          max_model_len=getattr(args, "max_model_len", None),
+                          quantization=getattr(args, "quantization", None),
+                          quantization_group_size=getattr(args, "quantization_group_size", 128))
+    engine = AsyncLLMEngine(LLMEngine(config), max_waiting=args.max_waiting)
+    return engine, tokenizer
+
+
+def cli_serve(args: argparse.Namespace) -> int:
+    """`switchyard engine serve`: bind, load the model in the background (health 503 until ready), print a
+    ready line, serve until SIGINT/SIGTERM, then stop cleanly."""
+    from hosted.server import build_app
+    from hosted.server_state import ServerState
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    model_dir = Path(args.model)
+    if not model_dir.is_dir():
+        print(f"error: --model {args.model!r} is not a directory", file=sys.stderr)
+        return 2
+    name = args.served_model_name or model_dir.resolve().name
+    run = _ServeRun(args, name)
+    app = build_app(ServerState(model_name=name), loader=lambda: load_model(args), on_ready=run.ready,
+                    on_load_error=run.failed)
+    run.serve(app)
+    if run.exit_code == 0:
+        print("switchyard engine stopped", flush=True)
+    return run.exit_code
+
+
+class _ServeRun:
+    """One `switchyard engine serve` process: the uvicorn server, the ready line and the exit code."""
+
+    def __init__(self, args: argparse.Namespace, name: str) -> None:
+        self.args = args
+        self.name = name
+        self.exit_code = 0
+        self.server: Any = None
+
+    def ready(self, state: ServerState) -> None:
+        assert state.engine is not None
+        args, s = self.args, state.engine.stats()
+        print(f"switchyard engine ready: model={self.name} url=http://{args.host}:{args.port}/v1 "
+              f"device={state.engine.engine.device} dtype={args.dtype} max_model_len={state.engine.max_model_len} "
+              f"kv_blocks={s.kv_blocks_total}x{args.block_size}", flush=True)
+
+    def failed(self, exc: BaseException) -> None:
+        print(f"error: cannot serve {self.args.model!r}: {exc}", file=sys.stderr, flush=True)
+        self.exit_code = 1
+        if self.server is not None:
+            self.server.should_exit = True
+
+    def serve(self, app: Any) -> None:
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig: int, frame: Any) -> None:
+                # uvicorn re-raises a caught SIGTERM/SIGINT after its graceful shutdown, so the process would
+                # die by the signal; a clean shutdown should exit 0 instead. A second SIGINT still forces exit.
+                if self.should_exit and sig == signal.SIGINT:
+                    self.force_exit = True
+                self.should_exit = True
+
+        config = uvicorn.Config(app, host=self.args.host, port=self.args.port,
+                                log_level=self.args.log_level.lower(), access_log=False,
+                                timeout_graceful_shutdown=10, lifespan="on")
+        self.server = Server(config)
+        self.server.run()

@@ -74,53 +74,20 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], extra_eos_token_ids: list[int] | None = None,
                   source: str = "config.json") -> ModelConfig:
-        archs = raw.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            # Fall back to model_type when `architectures` is absent (configs saved from a bare config object).
-            by_type = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
-            if not archs and raw.get("model_type") in by_type:
-                arch = by_type[raw["model_type"]]
-            else:
-                raise ConfigError(
-                    f"{source}: unsupported architecture {archs or raw.get('model_type')!r}; "
-                    f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        arch = _architecture(raw, source)
         family = SUPPORTED_ARCHITECTURES[arch]
-
-        def need(key: str) -> Any:
-            if raw.get(key) is None:
-                raise ConfigError(f"{source}: required field {key!r} is missing")
-            return raw[key]
-
-        hidden = int(need("hidden_size"))
-        heads = int(need("num_attention_heads"))
-        kv_heads = int(raw.get("num_key_value_heads") or heads)
-        head_dim = int(raw.get("head_dim") or hidden // heads)
-        if heads % kv_heads:
-            raise ConfigError(f"{source}: num_attention_heads={heads} is not a multiple of "
-                              f"num_key_value_heads={kv_heads}")
-        if raw.get("hidden_act", "silu") != "silu":
-            raise ConfigError(f"{source}: hidden_act {raw.get('hidden_act')!r} is not supported (only 'silu')")
-        if raw.get("pretraining_tp", 1) not in (1, None):
-            raise ConfigError(f"{source}: pretraining_tp > 1 is not supported")
-
+        hidden, heads, kv_heads, head_dim = _attention_shape(raw, source)
+        _check_supported_features(raw, source)
         rope_theta, rope_scaling = _parse_rope(raw, source)
-
-        sliding = raw.get("sliding_window")
-        if family == "qwen2" and not raw.get("use_sliding_window", False):
-            sliding = None
         attention_bias = bool(raw.get("attention_bias", False))
-        eos = _as_id_list(raw.get("eos_token_id"))
-        for tok in extra_eos_token_ids or []:
-            if tok not in eos:
-                eos.append(tok)
+        eos = _eos_token_ids(raw, extra_eos_token_ids)
         return cls(
             architecture=arch,
             model_type=family,
-            vocab_size=int(need("vocab_size")),
+            vocab_size=int(_need(raw, "vocab_size", source)),
             hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
-            num_hidden_layers=int(need("num_hidden_layers")),
+            intermediate_size=int(_need(raw, "intermediate_size", source)),
+            num_hidden_layers=int(_need(raw, "num_hidden_layers", source)),
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
@@ -132,11 +99,66 @@ class ModelConfig:
             qkv_bias=family == "qwen2" or (family == "llama" and attention_bias),
             o_bias=family == "llama" and attention_bias,
             mlp_bias=family == "llama" and bool(raw.get("mlp_bias", False)),
-            sliding_window=int(sliding) if sliding else None,
+            sliding_window=_sliding_window(raw, family),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos,
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
         )
+
+
+def _architecture(raw: dict[str, Any], source: str) -> str:
+    """The supported HF architecture named in `architectures` (or implied by `model_type` when absent)."""
+    archs = raw.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is not None:
+        return arch
+    # Fall back to model_type when `architectures` is absent (configs saved from a bare config object).
+    by_type = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
+    if not archs and raw.get("model_type") in by_type:
+        return by_type[raw["model_type"]]
+    raise ConfigError(f"{source}: unsupported architecture {archs or raw.get('model_type')!r}; "
+                      f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def _need(raw: dict[str, Any], key: str, source: str) -> Any:
+    if raw.get(key) is None:
+        raise ConfigError(f"{source}: required field {key!r} is missing")
+    return raw[key]
+
+
+def _attention_shape(raw: dict[str, Any], source: str) -> tuple[int, int, int, int]:
+    """(hidden_size, num_attention_heads, num_key_value_heads, head_dim)."""
+    hidden = int(_need(raw, "hidden_size", source))
+    heads = int(_need(raw, "num_attention_heads", source))
+    kv_heads = int(raw.get("num_key_value_heads") or heads)
+    head_dim = int(raw.get("head_dim") or hidden // heads)
+    if heads % kv_heads:
+        raise ConfigError(f"{source}: num_attention_heads={heads} is not a multiple of "
+                          f"num_key_value_heads={kv_heads}")
+    return hidden, heads, kv_heads, head_dim
+
+
+def _check_supported_features(raw: dict[str, Any], source: str) -> None:
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{source}: hidden_act {raw.get('hidden_act')!r} is not supported (only 'silu')")
+    if raw.get("pretraining_tp", 1) not in (1, None):
+        raise ConfigError(f"{source}: pretraining_tp > 1 is not supported")
+
+
+def _sliding_window(raw: dict[str, Any], family: str) -> int | None:
+    sliding = raw.get("sliding_window")
+    if family == "qwen2" and not raw.get("use_sliding_window", False):
+        sliding = None
+    return int(sliding) if sliding else None
+
+
+def _eos_token_ids(raw: dict[str, Any], extra: list[int] | None) -> list[int]:
+    """config.json's EOS ids, then any others (generation_config.json's) not already listed."""
+    eos = _as_id_list(raw.get("eos_token_id"))
+    for tok in extra or []:
+        if tok not in eos:
+            eos.append(tok)
+    return eos
 
 
 def _as_id_list(value: Any) -> list[int]:

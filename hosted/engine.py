@@ -14,7 +14,7 @@ from hosted.block_manager import BlockManager
 from hosted.config import EngineConfig, ModelConfig
 from hosted.model_runner import ModelRunner
 from hosted.sampler import Sampler
-from hosted.sampling import SamplingParams
+from hosted.sampling_params import SamplingParams
 from hosted.scheduler import Scheduler
 from hosted.sequence import Sequence
 

@@ -14,6 +14,7 @@ from safetensors import safe_open
 from hosted.config import ConfigError, ModelConfig
 from hosted.layers.linear import check_model_quantizable, quantize_model
 from hosted.models.llama import LlamaForCausalLM
+from kernels import ops
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -64,13 +65,15 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
 
 
 def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-               quantization: str | None = None, quantization_group_size: int = 128) -> LlamaForCausalLM:
+               quantization: str | None = None, quantization_group_size: int = 128,
+               kernels: ops.Kernels | None = None) -> LlamaForCausalLM:
     """Build the model on `device` and fill it from the checkpoint. With `quantization` ("int8" | "int4"),
     every decoder-layer linear is then quantized in place and its `dtype` weight freed (see
-    hosted/layers/linear.py); the embedding and lm_head stay in `dtype`."""
+    hosted/layers/linear.py); the embedding and lm_head stay in `dtype`. The model's layers call `kernels`
+    (default: the backend for `device`, chosen now)."""
     files = safetensors_files(model_dir)  # fail on missing files before allocating anything
     with torch.device(device):
-        model = LlamaForCausalLM(cfg, dtype, device)  # torch.empty: pages are touched only when loaded
+        model = LlamaForCausalLM(cfg, dtype, device, kernels if kernels is not None else ops.select(device))  # torch.empty: pages are touched only when loaded
     model.eval()
     if quantization is not None:
         check_model_quantizable(model, quantization, quantization_group_size)  # before reading any weight

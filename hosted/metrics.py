@@ -1,7 +1,7 @@
 """Prometheus metrics of the engine server, in a registry of its own (one per app, so tests can run many).
 
 Latency histograms are observed per request by the server; engine gauges (running/waiting requests,
-KV blocks, prefix-cache hit rate, busy fraction) are read from the AsyncEngine when /metrics is scraped.
+KV blocks, prefix-cache hit rate, busy fraction) are read from the AsyncLLMEngine when /metrics is scraped.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from hosted.async_engine import AsyncEngine
+from hosted.async_llm_engine import AsyncLLMEngine
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
@@ -63,7 +63,7 @@ class EngineMetrics:
     def observe_request(self, status: str) -> None:
         self.requests.labels(status=status).inc()
 
-    def render(self, engine: AsyncEngine | None) -> bytes:
+    def render(self, engine: AsyncLLMEngine | None) -> bytes:
         """Refresh the engine gauges and return the exposition text."""
         self.ready.set(1 if engine is not None and engine.alive else 0)
         if engine is not None:

@@ -1,14 +1,12 @@
 """Owns the model and its KV pool on one device; turns a scheduled batch into one forward pass."""
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
-import platform
-import sys
 
 import torch
 
+from hosted import cpu_memory
 from hosted.config import EngineConfig, ModelConfig
 from hosted.layers.attention import AttentionMetadata
 from hosted.loader import load_model, torch_dtype
@@ -42,11 +40,11 @@ class ModelRunner:
         if self.device.type == "cpu" and self.dtype == torch.float16:
             raise ValueError("float16 is not supported on CPU; use float32 or bfloat16")
         self.block_size = config.block_size
+        self.kernels = ops.select(self.device)  # the kernel backend, decided once for this model
         self.model = load_model(config.model_dir, model_config, self.dtype, self.device,
-                                config.quantization, config.quantization_group_size)
+                                config.quantization, config.quantization_group_size, self.kernels)
         if self.device.type == "cpu":
-            _keep_freed_heap_memory()
-            _move_parameters_to_huge_pages(self.model)  # before packing: packed linears keep data pointers
+            cpu_memory.tune_process_for(self.model)  # before packing: packed linears keep data pointers
         if self.device.type == "cpu" and os.environ.get("SWITCHYARD_CPU_PACKED_WEIGHTS", "1") != "0":
             # CPU GEMMs with the weights packed once (more memory: a second copy of each fp32 weight).
             added = self.model.prepack_weights()
@@ -88,7 +86,7 @@ class ModelRunner:
         c = self.model_config
         shape = (c.num_hidden_layers, 2, self.num_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
         if self.device.type == "cpu":
-            self.kv_cache = _cpu_zeros_on_huge_pages(shape, self.dtype)
+            self.kv_cache = cpu_memory.cpu_zeros_on_huge_pages(shape, self.dtype)
         else:
             self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         for i, attn in enumerate(self.model.attention_layers()):
@@ -153,92 +151,6 @@ class ModelRunner:
         )
         return (_tensor(input_ids, torch.int64, dev), _tensor(positions, torch.int64, dev), meta,
                 _tensor(logits_indices, torch.int64, dev), sample_seqs)
-
-
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
-_MMAP_THRESHOLD_MAX = 32 << 20  # glibc's upper limit for M_MMAP_THRESHOLD on 64-bit
-
-
-def _keep_freed_heap_memory() -> None:
-    """Tell glibc malloc to keep freed memory for reuse instead of handing it back to the OS after every
-    step. torch's CPU allocator does not cache, so each step's large activations (tens of MB at 2048
-    tokens) were mapped afresh and page-faulted in: ~10% of prefill time in the kernel zeroing pages, gone
-    with this. The cost is that the process keeps its peak heap (the engine's own process)."""
-    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
-        return
-    try:
-        libc = ctypes.CDLL(None)
-        libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
-        libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30)
-    except (OSError, AttributeError):
-        pass
-
-
-_HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14
-
-
-def _cpu_empty_on_huge_pages(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A flat, untouched CPU tensor that Linux may back with 2 MiB pages: madvise(MADV_HUGEPAGE) before the
-    first touch. Where madvise is unavailable it is a plain torch.empty."""
-    t = torch.empty(numel, dtype=dtype)
-    nbytes = numel * t.element_size()
-    if sys.platform.startswith("linux") and nbytes >= 2 * _HUGE_PAGE:
-        start = -(-t.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
-        end = (t.data_ptr() + nbytes) // _HUGE_PAGE * _HUGE_PAGE
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)
-        except (OSError, AttributeError):  # not glibc / no madvise: plain pages
-            pass
-    return t
-
-
-def _cpu_zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """The KV pool: decode attention reads blocks scattered over all of it; with 4 KiB pages nearly every
-    block costs TLB misses (~20% slower reads measured here)."""
-    numel = 1
-    for n in shape:
-        numel *= n
-    return _cpu_empty_on_huge_pages(numel, dtype).zero_().view(shape)
-
-
-_MOVE_CHUNK_BYTES = 256 << 20  # parameters are moved a chunk at a time: the extra memory while moving
-
-
-def _move_parameters_to_huge_pages(model: torch.nn.Module) -> None:
-    """Copy the parameters into huge-page-backed buffers (up to _MOVE_CHUNK_BYTES each, per dtype) and point
-    them there. Batch-1 decode streams every weight once per step; on 4 KiB pages the stream stalls at each
-    page (TLB walk, prefetcher restart): the GEMV read 14-16 GB/s on 4 KiB pages, 17-20 GB/s on 2 MiB pages
-    here (1 thread; 21 vs 30 GB/s with 2)."""
-    seen: set[int] = set()
-    pending: dict[torch.dtype, list[torch.nn.Parameter]] = {}
-    for p in model.parameters():  # tied weights appear once
-        if id(p) in seen or p.device.type != "cpu" or not p.is_contiguous():
-            continue
-        seen.add(id(p))
-        group = pending.setdefault(p.dtype, [])
-        group.append(p)
-        if sum(q.numel() * q.element_size() for q in group) >= _MOVE_CHUNK_BYTES:
-            _move_group(group)
-            group.clear()
-    for group in pending.values():
-        _move_group(group)
-
-
-def _move_group(params: list[torch.nn.Parameter]) -> None:
-    align = 64  # elements: keeps every parameter's start cache-line aligned
-    sizes = [-(-p.numel() // align) * align for p in params]
-    if not params or sum(sizes) * params[0].element_size() < 4 * _HUGE_PAGE:
-        return
-    flat = _cpu_empty_on_huge_pages(sum(sizes), params[0].dtype)
-    offset = 0
-    with torch.no_grad():
-        for p, size in zip(params, sizes):
-            view = flat[offset:offset + p.numel()].view(p.shape)
-            view.copy_(p.data)
-            p.data = view
-            offset += size
 
 
 def _tensor(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

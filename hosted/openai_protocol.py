@@ -1,4 +1,4 @@
-"""OpenAI request bodies (validated with pydantic) and the OpenAI error body, for the engine's own server.
+"""OpenAI request bodies (validated with pydantic) for the engine's own server; errors are openai_wire.APIError.
 
 Unknown fields are accepted and ignored (clients send `user`, `metadata`, ...); known fields with invalid
 values are refused with a 400 that names the field. Extensions beyond OpenAI, as vLLM spells them:
@@ -10,28 +10,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from hosted.sampling import MAX_TOP_LOGPROBS
+from hosted.sampling_params import MAX_TOP_LOGPROBS
+from openai_wire import APIError
 
 MAX_N = 64  # choices per request; each one is a sequence in the batch
 MAX_STOP_STRINGS = 16
-
-
-class APIError(Exception):
-    """An error answered with OpenAI's body: {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 def validation_error(exc: ValidationError) -> APIError:

@@ -55,9 +55,16 @@ class Scheduler:
         seq.status = SeqStatus.FINISHED
 
     def schedule(self) -> ScheduledBatch:
-        budget = self.max_num_batched_tokens
         batch = ScheduledBatch()
         scheduled: dict[int, int] = {}  # id(seq) -> tokens, for seqs picked this step
+        budget = self._schedule_running(scheduled, batch)
+        self._admit_waiting(budget, scheduled)
+        self._emit(scheduled, batch)
+        return batch
+
+    def _schedule_running(self, scheduled: dict[int, int], batch: ScheduledBatch) -> int:
+        """Running sequences first (decodes, then prefill chunks); returns the token budget left."""
+        budget = self.max_num_batched_tokens
         decodes = [s for s in self.running if s.num_uncomputed == 1]
         prefills = [s for s in self.running if s.num_uncomputed > 1]
         for seq in decodes + prefills:
@@ -71,7 +78,10 @@ class Scheduler:
             scheduled[id(seq)] = n
             # Recount rather than subtract: a victim scheduled earlier in this loop gave its tokens back.
             budget = self.max_num_batched_tokens - sum(scheduled.values())
+        return budget
 
+    def _admit_waiting(self, budget: int, scheduled: dict[int, int]) -> None:
+        """Then waiting sequences, oldest first, while the budget, the batch and the KV pool allow."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hit_ids: list[int] = []
@@ -96,7 +106,8 @@ class Scheduler:
             scheduled[id(seq)] = n
             budget -= n
 
-        # Emit in the order the model runner wants: decodes first, then prefill chunks.
+    def _emit(self, scheduled: dict[int, int], batch: ScheduledBatch) -> None:
+        """In the order the model runner wants: decodes first, then prefill chunks."""
         for seq in self.running:
             n = scheduled.get(id(seq))
             if n is not None and n == 1 and seq.num_uncomputed == 1:
@@ -107,7 +118,6 @@ class Scheduler:
             if n is not None and not (n == 1 and seq.num_uncomputed == 1):
                 batch.items.append((seq, n))
         batch.num_tokens = sum(n for _, n in batch.items)
-        return batch
 
     def _reserve_running(self, seq: Sequence, n: int, scheduled: dict[int, int], batch: ScheduledBatch) -> bool:
         """Make room for n more tokens of a running seq, preempting the newest running seqs as needed."""

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hosted.sampling import SamplingParams
+from hosted.sampling_params import SamplingParams
 
 
 class SeqStatus(enum.Enum):

@@ -1,14 +1,18 @@
-"""The only kernel entry points the engine calls: one dispatch layer over Triton and the torch reference.
+"""The only kernel entry points the engine calls: one dispatch layer over Triton, the native CPU kernels and
+the torch reference, decided once per device.
 
-Dispatch (the variable is looked at per call, so tests can flip it):
-  SWITCHYARD_KERNELS unset/"auto": CUDA tensors -> Triton (when triton imports); CPU tensors -> the
-                                    compiled CPU kernels of kernels/cpu_native.py where they apply
-                                    (decode attention; fp32 rotary, KV write, RMSNorm, SiLU-and-multiply, the
-                                    prepacked panel GEMM and the few-row GEMV), else the plain-torch reference
-                                    (vectorised; the rest of the engine's CPU path).
-  SWITCHYARD_KERNELS=triton:        Triton always (on CPU this needs TRITON_INTERPRET=1 and is slow).
-  SWITCHYARD_KERNELS=reference:     the reference always (SWITCHYARD_CPU_NATIVE=0 only turns the native
-                                    CPU kernels off).
+`select(device)` returns a `Kernels`: the entry points of one backend, chosen from the environment when it is
+called. The engine calls it once, when its model runner is built, and its layers hold the result, so no
+kernel call looks at the environment. The module-level functions of the same names choose per call (from
+their tensors' device and the environment as it is then): for tests, benchmarks and one-off use.
+
+Backends (SWITCHYARD_KERNELS):
+  unset/"auto":  CUDA -> "triton" (when triton imports, else "reference"); CPU -> "cpu": the compiled CPU
+                 kernels of kernels/cpu_native.py where they apply (decode attention; fp32 rotary, KV write,
+                 RMSNorm, SiLU-and-multiply, the prepacked panel GEMM and the few-row GEMV), else the
+                 plain-torch reference (vectorised; the rest of the engine's CPU path).
+  "triton":      Triton always (on CPU this needs TRITON_INTERPRET=1 and is slow).
+  "reference":   the reference always (SWITCHYARD_CPU_NATIVE=0 only turns the native CPU kernels off).
 
 Layouts: see kernels/reference.py (KV cache [num_blocks, block_size, num_kv_heads, head_dim]).
 """
@@ -16,17 +20,20 @@ Layouts: see kernels/reference.py (KV cache [num_blocks, block_size, num_kv_head
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from kernels import cpu_native, reference
 
 _MODES = ("auto", "triton", "reference")
 _ENV_VAR = "SWITCHYARD_KERNELS"
-# os.environ's own backing dict, looked up directly: ~30x cheaper than os.environ.get, which matters at
-# ~300 kernel calls per decode step. monkeypatch.setenv and os.environ[...] = ... update it as well.
+# os.environ's own backing dict, looked up directly: ~30x cheaper than os.environ.get (the module-level
+# entry points look per call). monkeypatch.setenv and os.environ[...] = ... update it as well.
 try:
     _ENV_DATA, _ENV_KEY = os.environ._data, os.environ.encodekey(_ENV_VAR)  # type: ignore[attr-defined]
 except AttributeError:  # an os.environ without these internals: use the public API
@@ -78,58 +85,75 @@ def _triton_module() -> ModuleType | None:
     return triton_ops
 
 
-def _use_triton(t: torch.Tensor) -> bool:
-    mode = backend_mode()
-    if mode == "auto":
-        return t.is_cuda and _triton_module() is not None
+# --------------------------------------------------------------------------- one backend
+
+
+@dataclass(frozen=True, slots=True)
+class Kernels:
+    """The entry points of one backend (signatures as the module-level functions below)."""
+
+    name: str  # "triton" | "cpu" (native CPU kernels, reference fallback) | "reference"
+    store_kv: Callable[..., None]
+    paged_decode_attention: Callable[..., torch.Tensor]
+    paged_prefill_attention: Callable[..., torch.Tensor]
+    rms_norm: Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
+    apply_rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    linear: Callable[..., torch.Tensor]
+    prepack_linear: Callable[..., cpu_native.PackedLinear | None]
+    int8_linear: Callable[..., torch.Tensor]
+    int4_linear: Callable[..., torch.Tensor]
+
+
+_selected: dict[tuple[str, bool, bool], Kernels] = {}
+
+
+def select(device: torch.device | str) -> Kernels:
+    """The backend for tensors on `device`, as SWITCHYARD_KERNELS and TRITON_INTERPRET say now."""
+    cuda = torch.device(device).type == "cuda"
+    key = (backend_mode(), cuda, _interpret_env())
+    kernels = _selected.get(key)
+    if kernels is None:
+        kernels = _selected[key] = _choose(key[0], cuda)
+    return kernels
+
+
+def _choose(mode: str, cuda: bool) -> Kernels:
     if mode == "reference":
-        return False
-    if _triton_module() is None:  # mode == "triton"
+        return REFERENCE
+    if mode == "auto":
+        if not cuda:
+            return CPU
+        module = _triton_module()
+        return _triton_kernels(module) if module is not None else REFERENCE
+    module = _triton_module()  # mode == "triton"
+    if module is None:
         raise RuntimeError("SWITCHYARD_KERNELS=triton but triton is not importable")
-    if not t.is_cuda and not _interpret_env():
+    if not cuda and not _interpret_env():
         raise RuntimeError("SWITCHYARD_KERNELS=triton with CPU tensors needs TRITON_INTERPRET=1")
-    return True
-
-
-def _native_cpu(t: torch.Tensor) -> bool:
-    """CPU tensor in auto mode: the compiled CPU kernels may take the call (they return None if not)."""
-    return not t.is_cuda and backend_mode() == "auto"
+    return _triton_kernels(module)
 
 
 def active_backend(t: torch.Tensor) -> str:
     """'triton' or 'reference': what a call with tensors on t's device would run (on CPU in auto mode the
     reference side includes the native kernels where they apply: see native_cpu_active)."""
-    return "triton" if _use_triton(t) else "reference"
+    return "triton" if select(t.device).name == "triton" else "reference"
 
 
 def native_cpu_active(t: torch.Tensor) -> bool:
     """Whether calls with tensors on t's device may use the compiled CPU kernels (kernels/cpu_native.py)."""
-    return _native_cpu(t) and cpu_native.library() is not None
+    return select(t.device).name == "cpu" and cpu_native.library() is not None
 
 
-# --------------------------------------------------------------------------- KV cache
+# --------------------------------------------------------------------------- checks every backend runs
 
 
-def store_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """In place: k_cache/v_cache slot slot_mapping[t] <- key[t]/value[t]; slot < 0 is skipped."""
+def _check_store_kv(key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     if key.shape != value.shape or key.dim() != 3 or key.shape[0] != slot_mapping.shape[0]:
         raise ValueError(
             f"store_kv: key {tuple(key.shape)}, value {tuple(value.shape)}, "
             f"slot_mapping {tuple(slot_mapping.shape)} do not agree"
         )
-    if _use_triton(key):
-        _triton_module().store_kv(key, value, k_cache, v_cache, slot_mapping)
-    elif not (_native_cpu(key) and cpu_native.store_kv(key, value, k_cache, v_cache, slot_mapping)):
-        reference.store_kv(key, value, k_cache, v_cache, slot_mapping)
-
-
-# --------------------------------------------------------------------------- attention
 
 
 def _check_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -145,136 +169,152 @@ def _check_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         )
 
 
-def paged_decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """q [B, Hq, D]; seq b attends to positions 0..context_lens[b]-1 through block_tables [B, max_blocks]."""
-    _check_attention(q, k_cache, v_cache)
-    if _use_triton(q):
-        return _triton_module().paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
-    if _native_cpu(q):
-        out = cpu_native.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
-        if out is not None:
-            return out
-    return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+def _checked(impl: Callable[..., None]) -> Callable[..., None]:
+    def store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+        _check_store_kv(key, value, slot_mapping)
+        impl(key, value, k_cache, v_cache, slot_mapping)
+
+    return store_kv
 
 
-def paged_prefill_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Packed new tokens q [Tq, Hq, D] with causal attention over cached prefix + themselves."""
-    _check_attention(q, k_cache, v_cache)
-    if _use_triton(q):
-        return _triton_module().paged_prefill_attention(
-            q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale
-        )
-    return reference.paged_prefill_attention(
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale
+def _checked_attention(impl: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, *args: object) -> Tensor:
+        _check_attention(q, k_cache, v_cache)
+        return impl(q, k_cache, v_cache, *args)
+
+    return attention
+
+
+def _kernels(name: str, *, store_kv, paged_decode_attention, paged_prefill_attention, **rest) -> Kernels:
+    return Kernels(name, _checked(store_kv), _checked_attention(paged_decode_attention),
+                   _checked_attention(paged_prefill_attention), **rest)
+
+
+# --------------------------------------------------------------------------- the three backends
+
+
+def _dense_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, packed: object = None) -> Tensor:
+    return F.linear(x, weight, bias)
+
+
+def _no_prepack(weight: Tensor, bias: Tensor | None = None) -> None:
+    return None
+
+
+REFERENCE = _kernels(
+    "reference", store_kv=reference.store_kv, paged_decode_attention=reference.paged_decode_attention,
+    paged_prefill_attention=reference.paged_prefill_attention, rms_norm=reference.rms_norm,
+    apply_rotary=reference.apply_rotary, silu_and_mul=reference.silu_and_mul, linear=_dense_linear,
+    prepack_linear=_no_prepack, int8_linear=reference.int8_linear, int4_linear=reference.int4_linear,
+)
+
+
+def _triton_kernels(tk: ModuleType) -> Kernels:
+    return _kernels(
+        "triton", store_kv=tk.store_kv, paged_decode_attention=tk.paged_decode_attention,
+        paged_prefill_attention=tk.paged_prefill_attention, rms_norm=tk.rms_norm, apply_rotary=tk.apply_rotary,
+        silu_and_mul=reference.silu_and_mul, linear=_dense_linear, prepack_linear=_no_prepack,
+        int8_linear=tk.int8_linear, int4_linear=tk.int4_linear,
     )
 
 
-# --------------------------------------------------------------------------- norm + rotary
+def _native_first(native: Callable[..., torch.Tensor | None], fallback: Callable[..., torch.Tensor]):
+    """The native CPU kernel where it applies (it returns None where not), else the reference."""
+
+    def call(*args: object) -> Tensor:
+        out = native(*args)
+        return fallback(*args) if out is None else out
+
+    return call
 
 
-def rms_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    residual: torch.Tensor | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def _cpu_store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    if not cpu_native.store_kv(key, value, k_cache, v_cache, slot_mapping):
+        reference.store_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+def _cpu_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
+                packed: cpu_native.PackedLinear | None = None) -> Tensor:
+    if packed is not None:
+        return packed(x)
+    out = cpu_native.linear(x, weight, bias)
+    return F.linear(x, weight, bias) if out is None else out
+
+
+def _cpu_prepack(weight: Tensor, bias: Tensor | None = None) -> cpu_native.PackedLinear | None:
+    return None if weight.is_cuda else cpu_native.pack_linear(weight, bias)
+
+
+CPU = _kernels(
+    "cpu", store_kv=_cpu_store_kv,
+    paged_decode_attention=_native_first(cpu_native.paged_decode_attention, reference.paged_decode_attention),
+    paged_prefill_attention=reference.paged_prefill_attention,
+    rms_norm=_native_first(cpu_native.rms_norm, reference.rms_norm),
+    apply_rotary=_native_first(cpu_native.apply_rotary, reference.apply_rotary),
+    silu_and_mul=_native_first(cpu_native.silu_and_mul, reference.silu_and_mul),
+    linear=_cpu_linear, prepack_linear=_cpu_prepack,
+    # (torch's aten._weight_int8pack_mm was measured 2-20x slower than the reference on this CPU.)
+    int8_linear=reference.int8_linear, int4_linear=reference.int4_linear,
+)
+
+
+# --------------------------------------------------------------------------- per-call entry points
+
+
+def store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    """In place: k_cache/v_cache slot slot_mapping[t] <- key[t]/value[t]; slot < 0 is skipped."""
+    select(key.device).store_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, context_lens: Tensor,
+                           scale: float) -> Tensor:
+    """q [B, Hq, D]; seq b attends to positions 0..context_lens[b]-1 through block_tables [B, max_blocks]."""
+    return select(q.device).paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+                            cu_seqlens_q: Tensor, context_lens: Tensor, scale: float) -> Tensor:
+    """Packed new tokens q [Tq, Hq, D] with causal attention over cached prefix + themselves."""
+    return select(q.device).paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q,
+                                                    context_lens, scale)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """out = rmsnorm(x); with residual: (rmsnorm(x + residual), x + residual). Output in x.dtype."""
-    if _use_triton(x):
-        return _triton_module().rms_norm(x, weight, eps, residual)
-    if _native_cpu(x):
-        out = cpu_native.rms_norm(x, weight, eps, residual)
-        if out is not None:
-            return out
-    return reference.rms_norm(x, weight, eps, residual)
+    return select(x.device).rms_norm(x, weight, eps, residual)
 
 
-def rotary_cos_sin(
-    head_dim: int,
-    max_position: int,
-    base: float,
-    scaling: dict | None,
-    device: torch.device | str | None = None,
-) -> torch.Tensor:
+def rotary_cos_sin(head_dim: int, max_position: int, base: float, scaling: dict | None,
+                   device: torch.device | str | None = None) -> torch.Tensor:
     """[max_position, head_dim] fp32 table: first half cos, second half sin (built once, on CPU)."""
     return reference.rotary_cos_sin(head_dim, max_position, base, scaling, device)
 
 
-def apply_rotary(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_rotary(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor) -> tuple[Tensor, Tensor]:
     """Rotate q [T, Hq, D] and k [T, Hkv, D] at positions [T] (HF rotate_half style); new tensors."""
-    if _use_triton(q):
-        return _triton_module().apply_rotary(q, k, positions, cos_sin)
-    if _native_cpu(q):
-        out = cpu_native.apply_rotary(q, k, positions, cos_sin)
-        if out is not None:
-            return out
-    return reference.apply_rotary(q, k, positions, cos_sin)
-
-
-# --------------------------------------------------------------------------- activation
+    return select(q.device).apply_rotary(q, k, positions, cos_sin)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2I] (gate then up) -> silu(gate) * up [T, I]: one pass on CPU (fp32), torch elsewhere."""
-    if _native_cpu(gate_up):
-        out = cpu_native.silu_and_mul(gate_up)
-        if out is not None:
-            return out
-    return reference.silu_and_mul(gate_up)
-
-
-# --------------------------------------------------------------------------- linear
+    return select(gate_up.device).silu_and_mul(gate_up)
 
 
 def prepack_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> cpu_native.PackedLinear | None:
-    """Prepare a dense projection once for ops.linear(..., packed=) on CPU fp32: a copy of the weight in the
+    """Prepare a dense projection once for linear(..., packed=) on CPU fp32: a copy of the weight in the
     native GEMM's panel layout (cpu_native.PackedLinear; 1.2-1.5x oneDNN's packed GEMM at 8-128 rows with
     the weights coming from DRAM, as in decode, and level with it at 512-2048 rows), or in oneDNN's blocked
     layout when the native kernels are unavailable (MKL re-packs the weight on every call). The copy costs
-    as much memory as the weight. None where it does not apply (CUDA, other dtypes)."""
-    if weight.is_cuda or backend_mode() != "auto":
-        return None
-    return cpu_native.pack_linear(weight, bias)
+    as much memory as the weight. None where it does not apply (CUDA, other dtypes, other backends)."""
+    return select(weight.device).prepack_linear(weight, bias)
 
 
-def linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    packed: cpu_native.PackedLinear | None = None,
-) -> torch.Tensor:
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
+           packed: cpu_native.PackedLinear | None = None) -> Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias) -> [M, N], a dense projection. On CPU (auto mode) with `packed`
     from prepack_linear(weight, bias): the native panel GEMM (or oneDNN). Without it: the GEMV
     for fp32 up to cpu_native.LINEAR_MAX_ROWS rows. Otherwise torch's matmul (cuBLAS / MKL)."""
-    if _native_cpu(x):
-        if packed is not None:
-            return packed(x)
-        out = cpu_native.linear(x, weight, bias)
-        if out is not None:
-            return out
-    return F.linear(x, weight, bias)
-
-
-# --------------------------------------------------------------------------- quantized linear
+    return select(x.device).linear(x, weight, bias, packed)
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -287,28 +327,12 @@ def quantize_int4(
     return reference.quantize_int4(w, group_size, symmetric)
 
 
-def int8_linear(
-    x: torch.Tensor,
-    w_q: torch.Tensor,
-    scales: torch.Tensor,
-    bias: torch.Tensor | None = None,
-) -> torch.Tensor:
+def int8_linear(x: Tensor, w_q: Tensor, scales: Tensor, bias: Tensor | None = None) -> Tensor:
     """x [M, K] @ (w_q [N, K] * scales[:, None]).T (+ bias) -> [M, N] in x.dtype."""
-    if _use_triton(x):
-        return _triton_module().int8_linear(x, w_q, scales, bias)
-    # (torch's aten._weight_int8pack_mm was measured 2-20x slower than the reference on this CPU.)
-    return reference.int8_linear(x, w_q, scales, bias)
+    return select(x.device).int8_linear(x, w_q, scales, bias)
 
 
-def int4_linear(
-    x: torch.Tensor,
-    w_packed: torch.Tensor,
-    scales: torch.Tensor,
-    zeros: torch.Tensor | None,
-    group_size: int,
-    bias: torch.Tensor | None = None,
-) -> torch.Tensor:
+def int4_linear(x: Tensor, w_packed: Tensor, scales: Tensor, zeros: Tensor | None, group_size: int,
+                bias: Tensor | None = None) -> Tensor:
     """x [M, K] @ dequant(w_packed [N, K//2]).T (+ bias) -> [M, N] in x.dtype."""
-    if _use_triton(x):
-        return _triton_module().int4_linear(x, w_packed, scales, zeros, group_size, bias)
-    return reference.int4_linear(x, w_packed, scales, zeros, group_size, bias)
+    return select(x.device).int4_linear(x, w_packed, scales, zeros, group_size, bias)

@@ -33,6 +33,49 @@ def _load_kv_tile(cache_ptr, bt_row_ptr, pos, valid, kv_head, d, d_mask,
     return tl.load(cache_ptr + row[:, None] + d[None, :], mask=valid[:, None] & d_mask[None, :], other=0.0)
 
 
+@triton.jit
+def _load_kv_tiles(k_ptr, v_ptr, bt_row_ptr, pos, valid, kv_head, d, d_mask,
+                   stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                   BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr):
+    """The K and V tiles [BLOCK_N, D_PAD] for positions pos (fp32 with UPCAST)."""
+    k = _load_kv_tile(k_ptr, bt_row_ptr, pos, valid, kv_head, d, d_mask, stride_kb, stride_ks, stride_kh,
+                      BLOCK_SIZE)
+    v = _load_kv_tile(v_ptr, bt_row_ptr, pos, valid, kv_head, d, d_mask, stride_vb, stride_vs, stride_vh,
+                      BLOCK_SIZE)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
+def _online_softmax_step(s, v, m_i, l_i, acc, DOT_DTYPE: tl.constexpr, ROWS_MAY_BE_EMPTY: tl.constexpr):
+    """Fold one tile of base-2 scores s [R, BLOCK_N] (masked to -inf) and its V tile into the running max
+    m_i, sum l_i and output acc; returns the new (m_i, l_i, acc). With ROWS_MAY_BE_EMPTY a row that has
+    seen no key yet (max -inf) stays empty instead of turning into NaN."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    if ROWS_MAY_BE_EMPTY:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    p = tl.exp2(s - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + mma(p, v, DOT_DTYPE)
+    return m_new, l_i, acc
+
+
+def _unit_stride_heads(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    """q with a unit-stride head_dim axis (copied if need be); the caches must have one already."""
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("paged attention: the caches' head_dim axis must be contiguous")
+    return q if q.stride(-1) == 1 else q.contiguous()
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int32 else t.to(torch.int32)
+
+
 # --------------------------------------------------------------------------- decode
 
 
@@ -77,21 +120,11 @@ def _decode_split_kernel(
     for tile in range(start, end, BLOCK_N):
         pos = tile + n_off
         valid = pos < end
-        k = _load_kv_tile(k_ptr, bt_row, pos, valid, kv_head, d, d_mask, stride_kb, stride_ks, stride_kh,
-                          BLOCK_SIZE)
-        v = _load_kv_tile(v_ptr, bt_row, pos, valid, kv_head, d, d_mask, stride_vb, stride_vs, stride_vh,
-                          BLOCK_SIZE)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = _load_kv_tiles(k_ptr, v_ptr, bt_row, pos, valid, kv_head, d, d_mask,
+                              stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_SIZE, UPCAST)
         s = mma(q, tl.trans(k), DOT_DTYPE) * scale_log2
         s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + mma(p, v, DOT_DTYPE)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_DTYPE, False)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
@@ -145,6 +178,17 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_tokens: int, block_n: i
     return max(1, min(target, max_useful, 256))
 
 
+def _split_partials(out: torch.Tensor, num_splits: int):
+    """Per-split partial outputs and log-sum-exps (fp32) and their strides; with one split the kernel writes
+    `out` directly and these are unused placeholders."""
+    if num_splits == 1:
+        return out, out, (0, 0, 0), (0, 0)
+    batch, num_q_heads, head_dim = out.shape
+    part_out = torch.empty(batch, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=out.device)
+    part_lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=out.device)
+    return part_out, part_lse, part_out.stride()[:3], part_lse.stride()[:2]
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -162,12 +206,8 @@ def paged_decode_attention(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous whatever q's strides
     if batch == 0:
         return out
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("paged attention: the caches' head_dim axis must be contiguous")
-    block_tables = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
-    context_lens = context_lens if context_lens.dtype == torch.int32 else context_lens.to(torch.int32)
+    q = _unit_stride_heads(q, k_cache, v_cache)
+    block_tables, context_lens = _int32(block_tables), _int32(context_lens)
     d_pad = tc.next_pow2(head_dim, 16)
     group_pad = tc.next_pow2(group, 16)
     block_n = _decode_block_n(d_pad)
@@ -178,13 +218,7 @@ def paged_decode_attention(
     split_tokens = triton.cdiv(triton.cdiv(max_tokens, num_splits), block_n) * block_n
     num_splits = triton.cdiv(max_tokens, split_tokens)
     single = num_splits == 1
-    if single:
-        part_out = part_lse = out  # unused
-        p_strides, l_strides = (0, 0, 0), (0, 0)
-    else:
-        part_out = torch.empty(batch, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
-        p_strides, l_strides = part_out.stride()[:3], part_lse.stride()[:2]
+    part_out, part_lse, p_strides, l_strides = _split_partials(out, num_splits)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
         float(scale) * LOG2E,
@@ -267,23 +301,12 @@ def _prefill_kernel(
     for n_start in range(0, kv_end, BLOCK_N):
         pos = n_start + n_off
         valid = pos < kv_end
-        k = _load_kv_tile(k_ptr, bt_row, pos, valid, kv_head, d, d_mask, stride_kb, stride_ks, stride_kh,
-                          BLOCK_SIZE)
-        v = _load_kv_tile(v_ptr, bt_row, pos, valid, kv_head, d, d_mask, stride_vb, stride_vs, stride_vh,
-                          BLOCK_SIZE)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = _load_kv_tiles(k_ptr, v_ptr, bt_row, pos, valid, kv_head, d, d_mask,
+                              stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_SIZE, UPCAST)
         s = mma(q, tl.trans(k), DOT_DTYPE) * scale_log2
         allowed = valid[None, :] & (pos[None, :] <= q_pos[:, None])
         s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet stays empty
-        p = tl.exp2(s - m_use[:, None])
-        alpha = tl.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + mma(p, v, DOT_DTYPE)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_DTYPE, True)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :],
@@ -316,13 +339,8 @@ def paged_prefill_attention(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous whatever q's strides
     if total_q == 0 or num_seqs == 0:
         return out
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("paged attention: the caches' head_dim axis must be contiguous")
-    block_tables = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
-    cu = cu_seqlens_q if cu_seqlens_q.dtype == torch.int32 else cu_seqlens_q.to(torch.int32)
-    lens = context_lens if context_lens.dtype == torch.int32 else context_lens.to(torch.int32)
+    q = _unit_stride_heads(q, k_cache, v_cache)
+    block_tables, cu, lens = _int32(block_tables), _int32(cu_seqlens_q), _int32(context_lens)
     d_pad = tc.next_pow2(head_dim, 16)
     block_m, block_n, warps = _prefill_blocks(d_pad)
     num_tiles = total_q // block_m + num_seqs  # upper bound on per-sequence tiles, no host sync

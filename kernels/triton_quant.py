@@ -24,6 +24,26 @@ from kernels.triton_common import mma
 GEMV_MAX_ROWS = 4
 
 
+# --------------------------------------------------------------------------- tiled matmul prologue/epilogue
+
+
+@triton.jit
+def _mm_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's output rows m [BLOCK_M] and columns n [BLOCK_N], with their in-bounds masks."""
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return m, n, m < M, n < N
+
+
+@triton.jit
+def _store_mm_tile(out, bias_ptr, out_ptr, m, n, m_mask, n_mask, stride_om, HAS_BIAS: tl.constexpr):
+    """out [BLOCK_M, BLOCK_N] fp32 (+ bias) -> the output tile, in the output's dtype."""
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
 # --------------------------------------------------------------------------- int8
 
 
@@ -63,12 +83,7 @@ def _int8_mm_kernel(
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = m < M
-    n_mask = n < N
+    m, n, m_mask, n_mask = _mm_tile(M, N, BLOCK_M, BLOCK_N)
     x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
     w_cols = w_ptr + n.to(tl.int64)[None, :] * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -82,13 +97,24 @@ def _int8_mm_kernel(
             w = w.to(tl.float32)
         acc += mma(x, w, DOT_DTYPE)
     out = acc * tl.load(s_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    if HAS_BIAS:
-        out += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
+    _store_mm_tile(out, bias_ptr, out_ptr, m, n, m_mask, n_mask, stride_om, HAS_BIAS)
 
 
 # --------------------------------------------------------------------------- int4
+
+
+@triton.jit
+def _int4_operands(packed, x_even, x_odd, UPCAST: tl.constexpr):
+    """(x_even, x_odd, low nibbles, high nibbles) of packed bytes and the activations they multiply, all
+    fp32 with UPCAST (else as loaded)."""
+    lo = packed & 0xF
+    hi = packed >> 4
+    if UPCAST:
+        x_even = x_even.to(tl.float32)
+        x_odd = x_odd.to(tl.float32)
+        lo = lo.to(tl.float32)
+        hi = hi.to(tl.float32)
+    return x_even, x_odd, lo, hi
 
 
 @triton.jit
@@ -118,14 +144,8 @@ def _int4_gemv_kernel(
         k_even = 2 * byte
         x_even = tl.load(x_ptr + m * stride_xm + k_even, mask=g_mask[:, None], other=0.0)  # [GT, HG]
         x_odd = tl.load(x_ptr + m * stride_xm + k_even + 1, mask=g_mask[:, None], other=0.0)
-        lo = packed & 0xF
-        hi = packed >> 4
-        if UPCAST:
-            x_even = x_even.to(tl.float32)
-            x_odd = x_odd.to(tl.float32)
-            lo = lo.to(tl.float32)
-            hi = hi.to(tl.float32)
-        else:
+        x_even, x_odd, lo, hi = _int4_operands(packed, x_even, x_odd, UPCAST)
+        if not UPCAST:
             lo = lo.to(x_even.dtype)
             hi = hi.to(x_even.dtype)
         qx = tl.sum(lo * x_even[None, :, :] + hi * x_odd[None, :, :], axis=2)  # [BN, GT]
@@ -153,12 +173,7 @@ def _int4_mm_kernel(
     # One K tile per quantization group: the dot runs on the raw nibbles (exact in fp16/bf16) and
     # scale/zero are applied in fp32: s * (x_e @ lo + x_o @ hi) - s * z * sum(x over the group).
     HALF_G: tl.constexpr = GROUP // 2
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = m < M
-    n_mask = n < N
+    m, n, m_mask, n_mask = _mm_tile(M, N, BLOCK_M, BLOCK_N)
     n64 = n.to(tl.int64)
     x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
     j = tl.arange(0, HALF_G)
@@ -168,13 +183,7 @@ def _int4_mm_kernel(
         x_even = tl.load(x_rows + 2 * byte[None, :], mask=m_mask[:, None], other=0.0)  # [BM, HG]
         x_odd = tl.load(x_rows + 2 * byte[None, :] + 1, mask=m_mask[:, None], other=0.0)
         packed = tl.load(w_ptr + n64[None, :] * stride_wn + byte[:, None], mask=n_mask[None, :], other=0)
-        lo = packed & 0xF  # [HG, BN]
-        hi = packed >> 4
-        if UPCAST:
-            x_even = x_even.to(tl.float32)
-            x_odd = x_odd.to(tl.float32)
-            lo = lo.to(tl.float32)
-            hi = hi.to(tl.float32)
+        x_even, x_odd, lo, hi = _int4_operands(packed, x_even, x_odd, UPCAST)  # lo, hi [HG, BN]
         qx = mma(x_even, lo, DOT_DTYPE) + mma(x_odd, hi, DOT_DTYPE)  # [BM, BN]
         x_sum = tl.sum(x_even + x_odd, axis=1)  # [BM]
         scale = tl.load(s_ptr + n64 * stride_sn + grp, mask=n_mask, other=0.0)  # [BN]
@@ -184,10 +193,7 @@ def _int4_mm_kernel(
             zero = tl.full([BLOCK_N], 8.0, tl.float32)
         acc += scale[None, :] * qx - (scale * zero)[None, :] * x_sum[:, None]
     out = acc
-    if HAS_BIAS:
-        out += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
+    _store_mm_tile(out, bias_ptr, out_ptr, m, n, m_mask, n_mask, stride_om, HAS_BIAS)
 
 
 # --------------------------------------------------------------------------- launch

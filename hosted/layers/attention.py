@@ -27,8 +27,10 @@ class AttentionMetadata:
 
 
 class PagedAttention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 kernels: ops.Kernels) -> None:
         super().__init__()
+        self.kernels = kernels
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -39,17 +41,18 @@ class PagedAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
-        ops.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        kernels = self.kernels
+        kernels.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         d = meta.num_decode_tokens
         if d == q.shape[0]:
-            return ops.paged_decode_attention(q, self.k_cache, self.v_cache, meta.decode_block_tables,
-                                              meta.decode_context_lens, self.scale)
+            return kernels.paged_decode_attention(q, self.k_cache, self.v_cache, meta.decode_block_tables,
+                                                  meta.decode_context_lens, self.scale)
         if d == 0:
-            return ops.paged_prefill_attention(q, self.k_cache, self.v_cache, meta.prefill_block_tables,
-                                               meta.prefill_cu_seqlens_q, meta.prefill_context_lens, self.scale)
+            return kernels.paged_prefill_attention(q, self.k_cache, self.v_cache, meta.prefill_block_tables,
+                                                   meta.prefill_cu_seqlens_q, meta.prefill_context_lens, self.scale)
         out = torch.empty_like(q)
-        out[:d] = ops.paged_decode_attention(q[:d], self.k_cache, self.v_cache, meta.decode_block_tables,
-                                             meta.decode_context_lens, self.scale)
-        out[d:] = ops.paged_prefill_attention(q[d:], self.k_cache, self.v_cache, meta.prefill_block_tables,
-                                              meta.prefill_cu_seqlens_q, meta.prefill_context_lens, self.scale)
+        out[:d] = kernels.paged_decode_attention(q[:d], self.k_cache, self.v_cache, meta.decode_block_tables,
+                                                 meta.decode_context_lens, self.scale)
+        out[d:] = kernels.paged_prefill_attention(q[d:], self.k_cache, self.v_cache, meta.prefill_block_tables,
+                                                  meta.prefill_cu_seqlens_q, meta.prefill_context_lens, self.scale)
         return out

@@ -1,19 +1,22 @@
-"""Linear layer holding weight [out, in] like HF, and its weight-only quantized forms (int8, int4).
+"""Linear layer holding weight [out, in] like HF, and its other forms: weight-only quantized (int8, int4) and
+packed for the CPU GEMM.
 
 Quantization lives only here: `quantize_model` converts every Linear of a loaded model (except the ones
-named in `skip`, by default the lm_head) in place; the forward then calls kernels.ops.int8_linear /
-int4_linear, which dispatch CUDA tensors to Triton and everything else to the torch reference.
+named in `skip`, by default the lm_head) in place; the forward then calls the backend's int8_linear /
+int4_linear (Triton on CUDA, the torch reference elsewhere). Packing too: `prepack()` keeps a copy of a
+full-precision weight in the CPU GEMM's layout (kernels.ops.prepack_linear) that the forward then uses.
+`TiedHead` is the same projection over a weight another layer owns (an lm_head tied to the embedding).
 """
 from __future__ import annotations
 
 import logging
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hosted.config import INT4_GROUP_SIZES, QUANTIZATION_SCHEMES, ConfigError
 from kernels import ops
+from kernels.cpu_native import PackedLinear
 
 log = logging.getLogger(__name__)
 
@@ -27,11 +30,15 @@ class Linear(nn.Module):
       int8: qweight int8 [out, in], scales fp32 [out]                 (w = q * scale, per output row)
       int4: qweight uint8 [out, in/2], scales and zeros fp32 [out, in/g] (w = (nibble - zero) * scale)
     Quantization is per output row, so merged projections quantize exactly as their parts would.
+
+    `kernels` is the backend the forward calls (default: the one for `device`, chosen now).
     """
 
     def __init__(self, in_features: int, out_features: int | list[int], bias: bool,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, kernels: ops.Kernels | None = None) -> None:
         super().__init__()
+        self.kernels = kernels if kernels is not None else ops.select(device)
+        self.packed: PackedLinear | None = None  # set by prepack()
         self.shard_sizes = list(out_features) if isinstance(out_features, list) else [out_features]
         self.in_features = in_features
         self.out_features = sum(self.shard_sizes)
@@ -51,6 +58,7 @@ class Linear(nn.Module):
         check_quantizable(self.in_features, scheme, group_size)
         if self.quantization is not None:
             raise RuntimeError(f"layer is already quantized ({self.quantization})")
+        self.packed = None  # a packed copy of the weight being replaced is stale
         w = self.weight.detach()
         del self.weight  # drop the parameter so `w` is the last reference
         if scheme == "int8":
@@ -65,20 +73,46 @@ class Linear(nn.Module):
         self.zeros = nn.Parameter(zeros, requires_grad=False) if zeros is not None else None
         self.quantization = scheme
 
+    def prepack(self) -> int:
+        """Keep a copy of the full-precision weight in the CPU GEMM's layout for the forward to use; returns
+        the bytes it adds (0 where packing does not apply: quantized, CUDA, other dtypes). The weight must not
+        be replaced afterwards."""
+        if self.quantization is not None:
+            return 0
+        self.packed = self.kernels.prepack_linear(self.weight, self.bias)
+        return self.packed.extra_bytes if self.packed is not None else 0
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantization is None:
-            return F.linear(x, self.weight, self.bias)
+            return self.kernels.linear(x, self.weight, self.bias, self.packed)
         x2 = x.reshape(-1, self.in_features)
         if self.quantization == "int8":
-            out = ops.int8_linear(x2, self.qweight, self.scales, self.bias)
+            out = self.kernels.int8_linear(x2, self.qweight, self.scales, self.bias)
         else:
-            out = ops.int4_linear(x2, self.qweight, self.scales, self.zeros, self.group_size, self.bias)
+            out = self.kernels.int4_linear(x2, self.qweight, self.scales, self.zeros, self.group_size, self.bias)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         q = f", quantization={self.quantization}" if self.quantization else ""
         g = f", group_size={self.group_size}" if self.quantization == "int4" else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}{q}{g}"
+
+
+class TiedHead:
+    """x @ W.T over the weight of another layer (an lm_head tied to the embedding table), packed like a
+    Linear's. Not an nn.Module: the weight is registered once, by the layer that owns it."""
+
+    def __init__(self, owner: nn.Module, kernels: ops.Kernels) -> None:
+        self.owner = owner  # read `owner.weight` at each call: the runner may move parameters to new storage
+        self.kernels = kernels
+        self.packed: PackedLinear | None = None
+
+    def prepack(self) -> int:
+        self.packed = self.kernels.prepack_linear(self.owner.weight, None)
+        return self.packed.extra_bytes if self.packed is not None else 0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.linear(x, self.owner.weight, None, self.packed)
 
 
 def check_quantizable(in_features: int, scheme: str, group_size: int, name: str = "layer") -> None:

@@ -1,7 +1,8 @@
 """The Llama block family (Llama 2/3, Qwen2/2.5, Mistral) over token-flattened, paged batches.
 
 One forward takes every new token of every scheduled sequence, packed as [T] with their positions;
-there is no padding and no batch dimension. K/V go to the paged cache through kernels.ops.
+there is no padding and no batch dimension. Every layer calls the kernels of the backend the model runner
+chose (`kernels`, a kernels.ops.Kernels); K/V go to the paged cache through them.
 """
 from __future__ import annotations
 
@@ -10,80 +11,69 @@ from torch import nn
 
 from hosted.config import ModelConfig
 from hosted.layers.attention import AttentionMetadata, PagedAttention
-from hosted.layers.linear import Linear
-from kernels import ops
-from kernels.cpu_native import PackedLinear
+from hosted.layers.linear import Linear, TiedHead
+from kernels.ops import Kernels
 
 
 class RMSNormWeight(nn.Module):
-    """Holds an RMSNorm weight; the math is ops.rms_norm (optionally fused with the residual add)."""
+    """Holds an RMSNorm weight; the math is the backend's rms_norm (optionally fused with the residual add)."""
 
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device, kernels: Kernels) -> None:
         super().__init__()
         self.eps = eps
+        self.kernels = kernels
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return ops.rms_norm(x, self.weight, self.eps, residual)
-
-
-def _project(layer: Linear, x: torch.Tensor, packed: PackedLinear | None) -> torch.Tensor:
-    """A Linear's forward. Full-precision ones go through ops.linear, which on CPU takes the native GEMM over
-    the weight's prepacked copy (`packed`, see LlamaForCausalLM.prepack_weights); quantized ones through
-    their own kernels."""
-    if layer.quantization is None:
-        return ops.linear(x, layer.weight, layer.bias, packed)
-    return layer(x)
+        return self.kernels.rms_norm(x, self.weight, self.eps, residual)
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, kernels: Kernels) -> None:
         super().__init__()
         d = cfg.head_dim
+        self.kernels = kernels
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = d
         self.q_size = self.num_heads * d
         self.kv_size = self.num_kv_heads * d
-        self.qkv_proj = Linear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], cfg.qkv_bias, dtype, device)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, cfg.o_bias, dtype, device)
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, d ** -0.5)
-        self.qkv_packed: PackedLinear | None = None  # set by LlamaForCausalLM.prepack_weights
-        self.o_packed: PackedLinear | None = None
+        self.qkv_proj = Linear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], cfg.qkv_bias, dtype,
+                               device, kernels)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, cfg.o_bias, dtype, device, kernels)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, d ** -0.5, kernels)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = _project(self.qkv_proj, x, self.qkv_packed).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj.forward(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = ops.apply_rotary(q, k, positions, cos_sin)
+        q, k = self.kernels.apply_rotary(q, k, positions, cos_sin)
         out = self.attn.forward(q, k, v, meta)
-        return _project(self.o_proj, out.view(t, self.q_size), self.o_packed)
+        return self.o_proj.forward(out.view(t, self.q_size))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, kernels: Kernels) -> None:
         super().__init__()
         inter = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, [inter, inter], cfg.mlp_bias, dtype, device)
-        self.down_proj = Linear(inter, cfg.hidden_size, cfg.mlp_bias, dtype, device)
-        self.gate_up_packed: PackedLinear | None = None  # set by LlamaForCausalLM.prepack_weights
-        self.down_packed: PackedLinear | None = None
+        self.kernels = kernels
+        self.gate_up_proj = Linear(cfg.hidden_size, [inter, inter], cfg.mlp_bias, dtype, device, kernels)
+        self.down_proj = Linear(inter, cfg.hidden_size, cfg.mlp_bias, dtype, device, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _project(self.down_proj, ops.silu_and_mul(_project(self.gate_up_proj, x, self.gate_up_packed)),
-                        self.down_packed)
+        return self.down_proj.forward(self.kernels.silu_and_mul(self.gate_up_proj.forward(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, kernels: Kernels) -> None:
         super().__init__()
-        self.input_layernorm = RMSNormWeight(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = LlamaAttention(cfg, dtype, device)
-        self.post_attention_layernorm = RMSNormWeight(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.mlp = LlamaMLP(cfg, dtype, device)
+        self.input_layernorm = RMSNormWeight(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, kernels)
+        self.self_attn = LlamaAttention(cfg, dtype, device, kernels)
+        self.post_attention_layernorm = RMSNormWeight(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, kernels)
+        self.mlp = LlamaMLP(cfg, dtype, device, kernels)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 cos_sin: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,46 +90,28 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, kernels: Kernels) -> None:
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype, device) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNormWeight(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        if cfg.tie_word_embeddings:
-            self.lm_head = None
-        else:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, device)
-        self.lm_head_packed: PackedLinear | None = None  # set by prepack_weights
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype, device, kernels)
+                                    for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNormWeight(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, kernels)
+        # An untied lm_head is a Linear; a tied one projects onto the embedding table.
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype,
+                                                                     device, kernels)
+        self.tied_head = TiedHead(self.embed_tokens, kernels) if cfg.tie_word_embeddings else None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def prepack_weights(self) -> int:
-        """Prepare every full-precision projection (and the lm_head) for the CPU path (ops.prepack_linear: a
-        copy of the weight in the native GEMM's panel layout); returns the bytes the copies add (0 where
-        packing does not apply). The weights must not be replaced afterwards."""
-        added = 0
-
-        def pack(weight: torch.Tensor, bias: torch.Tensor | None) -> PackedLinear | None:
-            nonlocal added
-            packed = ops.prepack_linear(weight, bias)
-            if packed is not None:
-                added += packed.extra_bytes
-            return packed
-
-        def pack_linear(linear: Linear) -> PackedLinear | None:
-            return pack(linear.weight, linear.bias) if linear.quantization is None else None
-
-        for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            attn.qkv_packed, attn.o_packed = pack_linear(attn.qkv_proj), pack_linear(attn.o_proj)
-            mlp.gate_up_packed, mlp.down_packed = pack_linear(mlp.gate_up_proj), pack_linear(mlp.down_proj)
-        tied = self.lm_head is None
-        self.lm_head_packed = pack(self.embed_tokens.weight, None) if tied else pack_linear(self.lm_head)
-        return added
+        """Pack every full-precision projection (and the lm_head) for the CPU GEMM (Linear.prepack); returns
+        the bytes the copies add. The weights must not be replaced afterwards."""
+        added = sum(m.prepack() for m in self.modules() if isinstance(m, Linear))
+        return added + (self.tied_head.prepack() if self.tied_head is not None else 0)
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.layers]
@@ -157,4 +129,5 @@ class LlamaForCausalLM(nn.Module):
         hidden = hidden.index_select(0, logits_indices)
         residual = residual.index_select(0, logits_indices)
         hidden, _ = self.norm(hidden, residual)
-        return ops.linear(hidden, self.lm_head_weight, None, self.lm_head_packed).float()
+        logits = self.lm_head.forward(hidden) if self.lm_head is not None else self.tied_head(hidden)
+        return logits.float()

@@ -5,7 +5,7 @@ import pytest
 
 import hosted.block_manager as bm_mod
 from hosted.block_manager import BlockManager
-from hosted.sampling import SamplingParams
+from hosted.sampling_params import SamplingParams
 from hosted.sequence import Sequence
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from hosted.sampler import Sampler, apply_penalties, top_k_top_p_filter
-from hosted.sampling import SamplingParams
+from hosted.sampling_params import SamplingParams
 from hosted.sequence import Sequence
 
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from hosted.block_manager import BlockManager
-from hosted.sampling import SamplingParams
+from hosted.sampling_params import SamplingParams
 from hosted.scheduler import ScheduledBatch, Scheduler
 from hosted.sequence import SeqStatus, Sequence
 

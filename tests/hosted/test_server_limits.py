@@ -12,9 +12,9 @@ import time
 import httpx
 import pytest
 
-from hosted.async_engine import AsyncEngine, EngineOverloaded, collect
+from hosted.async_llm_engine import AsyncLLMEngine, EngineOverloaded, collect
 from hosted.engine import EngineConfig, LLMEngine
-from hosted.sampling import SamplingParams
+from hosted.sampling_params import SamplingParams
 from hosted.server import ServerState, build_app
 from hosted.tokenizer import Tokenizer
 from tests.hosted.serving_helpers import EngineProcess, build_tiny_chat_model, free_port
@@ -91,7 +91,7 @@ def test_health_is_503_until_the_model_is_loaded(model_dir):
 
     def loader():
         release.wait(30)
-        engine = AsyncEngine(LLMEngine(EngineConfig(model_dir=str(model_dir), num_kv_blocks=64)))
+        engine = AsyncLLMEngine(LLMEngine(EngineConfig(model_dir=str(model_dir), num_kv_blocks=64)))
         return engine, Tokenizer.from_dir(model_dir)
 
     state = ServerState(model_name="tiny")
@@ -111,7 +111,7 @@ def test_health_is_503_until_the_model_is_loaded(model_dir):
 
 
 async def test_async_engine_bounds_waiting_and_measures_busy_fraction(model_dir):
-    engine = AsyncEngine(LLMEngine(EngineConfig(model_dir=str(model_dir), num_kv_blocks=64, max_num_seqs=1)),
+    engine = AsyncLLMEngine(LLMEngine(EngineConfig(model_dir=str(model_dir), num_kv_blocks=64, max_num_seqs=1)),
                          max_waiting=2)
     try:
         params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -136,7 +136,7 @@ async def test_async_engine_bounds_waiting_and_measures_busy_fraction(model_dir)
 
 async def test_small_kv_pool_refuses_what_cannot_fit_and_preempts_the_rest(model_dir):
     """In-process app over a deliberately small KV pool (8 blocks x 16 tokens)."""
-    engine = AsyncEngine(LLMEngine(EngineConfig(model_dir=str(model_dir), num_kv_blocks=8, max_num_seqs=4)))
+    engine = AsyncLLMEngine(LLMEngine(EngineConfig(model_dir=str(model_dir), num_kv_blocks=8, max_num_seqs=4)))
     state = ServerState(model_name="tiny", engine=engine, tokenizer=Tokenizer.from_dir(model_dir))
     transport = httpx.ASGITransport(app=build_app(state))
     try:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hosted import demo_corpus as corpus
-from hosted import train_demo
+from hosted.tools import demo_corpus as corpus
+from hosted.tools import train_demo
 
 DEMO_DIR = Path(__file__).resolve().parents[2] / "hosted" / "models" / "demo"
 

@@ -1,4 +1,4 @@
-"""AsyncEngine: one LLMEngine driven by a dedicated thread, consumed from asyncio.
+"""AsyncLLMEngine: one LLMEngine driven by a dedicated thread, consumed from asyncio.
 
 The engine thread owns the LLMEngine (which is not thread-safe): it applies queued add/abort commands,
 runs `step()` while there is work, and hands each step's outputs to the event loop in one
@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
 from hosted.engine import EngineConfig, EngineStats, LLMEngine, StepOutput
-from hosted.sampling import SamplingParams
+from hosted.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class _Abort:
     request_id: str
 
 
-class AsyncEngine:
+class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, *, max_waiting: int = 256, busy_window_s: float = 60.0) -> None:
         self.engine = engine
         self.max_waiting = max_waiting
@@ -85,7 +85,7 @@ class AsyncEngine:
         self._busy_lock = threading.Lock()
 
     @classmethod
-    def from_config(cls, config: EngineConfig, **kwargs) -> AsyncEngine:
+    def from_config(cls, config: EngineConfig, **kwargs) -> AsyncLLMEngine:
         return cls(LLMEngine(config), **kwargs)
 
     # ------------------------------------------------------------------------------ lifecycle
@@ -280,11 +280,11 @@ class AsyncEngine:
 
 
 class Admission:
-    """Queue places reserved by AsyncEngine.admit for the sequences of one client request."""
+    """Queue places reserved by AsyncLLMEngine.admit for the sequences of one client request."""
 
     __slots__ = ("_engine", "left")
 
-    def __init__(self, engine: AsyncEngine, count: int) -> None:
+    def __init__(self, engine: AsyncLLMEngine, count: int) -> None:
         self._engine = engine
         self.left = count
 

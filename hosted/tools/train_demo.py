@@ -1,8 +1,9 @@
 """Train the bundled demo model: a byte-level BPE tokenizer and a small Llama on stdlib docstrings.
 
-`switchyard engine train-demo` calls `cli_train_demo`. The run is resumable: every few minutes (and on
-Ctrl-C / SIGTERM) the model, optimizer, step, RNG and data position go to `--work-dir/checkpoint.pt`,
-written to a temporary file and renamed, so an interrupted run never leaves a broken checkpoint.
+An offline tool, not engine code. `switchyard engine train-demo` calls `cli_train_demo` (output:
+hosted.models.DEMO_MODEL_DIR unless --out). The run is resumable: every few minutes (and on Ctrl-C /
+SIGTERM) the model, optimizer, step, RNG and data position go to `--work-dir/checkpoint.pt`, written to a
+temporary file and renamed, so an interrupted run never leaves a broken checkpoint.
 When the step or time budget is reached the model is exported in Hugging Face layout (bf16
 safetensors, tokenizer.json, tokenizer_config.json with the chat template, generation_config.json).
 """
@@ -25,7 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from hosted import demo_corpus as corpus
+from hosted.models import DEMO_MODEL_DIR
+from hosted.tools import demo_corpus as corpus
 
 CHECKPOINT = "checkpoint.pt"
 LOG_CSV = "train_log.csv"
@@ -364,17 +366,63 @@ def _check_compatible(ckpt: dict[str, Any], cfg: TrainConfig, digest: str) -> No
                          f"{cfg.model_fields()}; start over with --no-resume or another --work-dir")
 
 
+@dataclass(slots=True)
+class _Run:
+    """What a training run carries from step to step (and what its checkpoint saves)."""
+
+    cfg: TrainConfig
+    data: PreparedData
+    model: Any
+    opt: torch.optim.Optimizer
+    sampler: WindowSampler
+    val_eval: torch.Tensor
+    step: int = 0
+    tokens_seen: int = 0
+    seconds: float = 0.0
+    history: list[dict[str, Any]] = field(default_factory=list)
+    recent: list[float] = field(default_factory=list)  # losses since the last log row: its mean stays exact
+
+    def done(self) -> bool:
+        if self.cfg.steps is not None and self.step >= self.cfg.steps:
+            return True
+        return self.cfg.minutes is not None and self.seconds >= self.cfg.minutes * 60.0
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"version": 1, "model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
+                "sampler": self.sampler.state(), "torch_rng": torch.get_rng_state(), "step": self.step,
+                "tokens_seen": self.tokens_seen, "train_seconds": self.seconds, "history": self.history,
+                "recent_losses": self.recent, "data_digest": self.data.digest,
+                "model_fields": self.cfg.model_fields(), "config": asdict(self.cfg)}
+
+
 def train(cfg: TrainConfig, work_dir: Path, out_dir: Path | None = None, resume: bool = True,
           sources: list[Path] | None = None, progress: bool = True, export_only: bool = False,
           log: Any = print) -> TrainResult:
     """Train (or continue training) until cfg.steps / cfg.minutes, then export to out_dir if given.
     KeyboardInterrupt and SIGTERM save a checkpoint and return with finished=False."""
-    from tqdm import tqdm
-
     if export_only and not (work_dir / CHECKPOINT).is_file():
         raise SystemExit(f"nothing to export: no {CHECKPOINT} in {work_dir}")
     work_dir.mkdir(parents=True, exist_ok=True)
-    data = prepare_data(cfg, work_dir, sources, log=log)
+    run = setup_run(cfg, prepare_data(cfg, work_dir, sources, log=log))
+    ckpt = load_checkpoint(work_dir) if resume else None
+    if export_only and ckpt is None:
+        raise SystemExit("--export-only needs --resume (it exports the saved checkpoint)")
+    if ckpt is not None:
+        resume_run(run, ckpt, log)
+    finished = export_only or train_until_done(run, work_dir, progress, log)
+    if not export_only:
+        save_checkpoint(work_dir, run.snapshot())
+        write_log(work_dir / LOG_CSV, run.history)
+    last = next((r["train_loss"] for r in reversed(run.history)), float("nan"))
+    result = TrainResult(run.step, run.tokens_seen, run.seconds, last, None, finished, history=run.history)
+    if finished and out_dir is not None:
+        result.val_loss = export_run(run, work_dir, out_dir, last, log)
+        result.exported_to = out_dir
+    return result
+
+
+def setup_run(cfg: TrainConfig, data: PreparedData) -> _Run:
+    """A fresh model, optimizer and data sampler for `cfg` on the prepared data."""
     special_ids = {t: data.tokenizer.token_to_id(t) for t in corpus.SPECIAL_TOKENS}
     if data.tokenizer.get_vocab_size() > cfg.vocab_size:
         raise ValueError("tokenizer vocabulary exceeds the model's")
@@ -385,102 +433,106 @@ def train(cfg: TrainConfig, work_dir: Path, out_dir: Path | None = None, resume:
                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
     sampler = WindowSampler(data.train_tokens, cfg.seq_len, cfg.batch_size, cfg.seed)
     val_eval = validation_windows(data.val_tokens, cfg.seq_len, cfg.eval_windows)
-    step, tokens_seen, seconds, history, recent = 0, 0, 0.0, [], []
+    return _Run(cfg, data, model, opt, sampler, val_eval)
 
-    ckpt = load_checkpoint(work_dir) if resume else None
-    if export_only and ckpt is None:
-        raise SystemExit("--export-only needs --resume (it exports the saved checkpoint)")
-    if ckpt is not None:
-        _check_compatible(ckpt, cfg, data.digest)
-        model.load_state_dict(ckpt["model"])
-        opt.load_state_dict(ckpt["optimizer"])
-        sampler.load(ckpt["sampler"])
-        torch.set_rng_state(ckpt["torch_rng"])
-        step, tokens_seen, seconds = ckpt["step"], ckpt["tokens_seen"], ckpt["train_seconds"]
-        history = [r for r in ckpt["history"] if r["step"] <= step]
-        recent = list(ckpt.get("recent_losses", []))  # losses since the last log row: its mean stays exact
-        log(f"resumed at step {step} ({tokens_seen:,} tokens, {seconds / 60:.1f} min trained)")
 
-    def snapshot() -> dict[str, Any]:
-        return {"version": 1, "model": model.state_dict(), "optimizer": opt.state_dict(),
-                "sampler": sampler.state(), "torch_rng": torch.get_rng_state(), "step": step,
-                "tokens_seen": tokens_seen, "train_seconds": seconds, "history": history, "recent_losses": recent,
-                "data_digest": data.digest, "model_fields": cfg.model_fields(), "config": asdict(cfg)}
+def resume_run(run: _Run, ckpt: dict[str, Any], log: Any) -> None:
+    """Continue from a saved checkpoint: weights, optimizer, data position, RNG and counters."""
+    _check_compatible(ckpt, run.cfg, run.data.digest)
+    run.model.load_state_dict(ckpt["model"])
+    run.opt.load_state_dict(ckpt["optimizer"])
+    run.sampler.load(ckpt["sampler"])
+    torch.set_rng_state(ckpt["torch_rng"])
+    run.step, run.tokens_seen, run.seconds = ckpt["step"], ckpt["tokens_seen"], ckpt["train_seconds"]
+    run.history = [r for r in ckpt["history"] if r["step"] <= run.step]
+    run.recent = list(ckpt.get("recent_losses", []))
+    log(f"resumed at step {run.step} ({run.tokens_seen:,} tokens, {run.seconds / 60:.1f} min trained)")
 
-    def done() -> bool:
-        if cfg.steps is not None and step >= cfg.steps:
-            return True
-        return cfg.minutes is not None and seconds >= cfg.minutes * 60.0
+
+def train_until_done(run: _Run, work_dir: Path, progress: bool, log: Any) -> bool:
+    """Step until the budget is spent (True) or Ctrl-C / SIGTERM arrives (False), checkpointing as it goes."""
+    from tqdm import tqdm
 
     def on_sigterm(signum: int, frame: Any) -> None:
         raise _Stop()
 
     previous = signal.signal(signal.SIGTERM, on_sigterm) if _main_thread() else None
-    finished = False
-    bar = tqdm(total=cfg.steps, initial=step, disable=not progress, unit="step", dynamic_ncols=True,
+    bar = tqdm(total=run.cfg.steps, initial=run.step, disable=not progress, unit="step", dynamic_ncols=True,
                desc="train-demo", file=sys.stderr)
-    model.train()
+    run.model.train()
     last_ckpt = time.monotonic()
     try:
-        while not export_only and not done():
-            t0 = time.perf_counter()
-            lr = lr_at(cfg, step, _progress(cfg, step, seconds))
-            for group in opt.param_groups:
-                group["lr"] = lr
-            batch = sampler.next_batch()
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16_autocast):
-                logits = model(input_ids=batch[:, :-1]).logits
-            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            step += 1
-            tokens_seen += batch[:, 1:].numel()
-            seconds += time.perf_counter() - t0
-            recent.append(float(loss.detach()))
+        while not run.done():
+            lr = train_step(run)
             bar.update(1)
-            if step % cfg.log_every == 0 or step == 1:
-                row: dict[str, Any] = {"step": step, "tokens": tokens_seen, "train_seconds": round(seconds, 1),
-                                       "lr": f"{lr:.3e}", "train_loss": round(sum(recent) / len(recent), 4)}
-                recent = []
-                if step % cfg.eval_every == 0 or step == 1:
-                    t1 = time.perf_counter()
-                    row["val_loss"] = round(mean_loss(model, val_eval, cfg.batch_size, cfg.bf16_autocast), 4)
-                    seconds += time.perf_counter() - t1  # evaluation is part of the time budget
-                history.append(row)
+            if run.step % run.cfg.log_every == 0 or run.step == 1:
+                row = log_row(run, lr)
                 bar.set_postfix(loss=row["train_loss"], val=row.get("val_loss", "-"), lr=row["lr"])
-                write_log(work_dir / LOG_CSV, history)
-            if time.monotonic() - last_ckpt >= cfg.checkpoint_every_s:
-                save_checkpoint(work_dir, snapshot())
+                write_log(work_dir / LOG_CSV, run.history)
+            if time.monotonic() - last_ckpt >= run.cfg.checkpoint_every_s:
+                save_checkpoint(work_dir, run.snapshot())
                 last_ckpt = time.monotonic()
-        finished = True
+        return True
     except (KeyboardInterrupt, _Stop):
-        log(f"\ninterrupted at step {step}; saving checkpoint")
+        log(f"\ninterrupted at step {run.step}; saving checkpoint")
+        return False
     finally:
         bar.close()
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-    if not export_only:
-        save_checkpoint(work_dir, snapshot())
-        write_log(work_dir / LOG_CSV, history)
-    last = next((r["train_loss"] for r in reversed(history)), float("nan"))
-    result = TrainResult(step, tokens_seen, seconds, last, None, finished, history=history)
-    if finished and out_dir is not None:
-        full_val = validation_windows(data.val_tokens, cfg.seq_len)
-        result.val_loss = mean_loss(model, full_val, cfg.batch_size, cfg.bf16_autocast)
-        export(model, data.tokenizer, out_dir, cfg.max_position_embeddings)
-        result.exported_to = out_dir
-        summary = {"step": step, "tokens_seen": tokens_seen, "train_seconds": round(seconds, 1),
-                   "final_train_loss": last, "final_val_loss": round(result.val_loss, 4),
-                   "val_tokens": len(data.val_tokens), "train_tokens": len(data.train_tokens),
-                   "documents": data.documents, "val_documents": data.val_documents,
-                   "parameters": sum(p.numel() for p in model.parameters()),
-                   "python": sys.version.split()[0], "config": asdict(cfg)}
-        (work_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        log(f"exported to {out_dir}: step {step}, val loss {result.val_loss:.3f} "
-            f"(ln vocab = {math.log(cfg.vocab_size):.2f})")
-    return result
+
+
+def train_step(run: _Run) -> float:
+    """One optimizer step on the next batch; returns the learning rate it used."""
+    cfg, t0 = run.cfg, time.perf_counter()
+    lr = lr_at(cfg, run.step, _progress(cfg, run.step, run.seconds))
+    for group in run.opt.param_groups:
+        group["lr"] = lr
+    batch = run.sampler.next_batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16_autocast):
+        logits = run.model(input_ids=batch[:, :-1]).logits
+    loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.grad_clip)
+    run.opt.step()
+    run.opt.zero_grad(set_to_none=True)
+    run.step += 1
+    run.tokens_seen += batch[:, 1:].numel()
+    run.seconds += time.perf_counter() - t0
+    run.recent.append(float(loss.detach()))
+    return lr
+
+
+def log_row(run: _Run, lr: float) -> dict[str, Any]:
+    """Append the history row for this step (with the validation loss every eval_every steps)."""
+    cfg = run.cfg
+    row: dict[str, Any] = {"step": run.step, "tokens": run.tokens_seen, "train_seconds": round(run.seconds, 1),
+                           "lr": f"{lr:.3e}", "train_loss": round(sum(run.recent) / len(run.recent), 4)}
+    run.recent = []
+    if run.step % cfg.eval_every == 0 or run.step == 1:
+        t1 = time.perf_counter()
+        row["val_loss"] = round(mean_loss(run.model, run.val_eval, cfg.batch_size, cfg.bf16_autocast), 4)
+        run.seconds += time.perf_counter() - t1  # evaluation is part of the time budget
+    run.history.append(row)
+    return row
+
+
+def export_run(run: _Run, work_dir: Path, out_dir: Path, last_loss: float, log: Any) -> float:
+    """Measure the full validation loss, export the checkpoint and write summary.json; returns the loss."""
+    cfg, data = run.cfg, run.data
+    val_loss = mean_loss(run.model, validation_windows(data.val_tokens, cfg.seq_len), cfg.batch_size,
+                         cfg.bf16_autocast)
+    export(run.model, data.tokenizer, out_dir, cfg.max_position_embeddings)
+    summary = {"step": run.step, "tokens_seen": run.tokens_seen, "train_seconds": round(run.seconds, 1),
+               "final_train_loss": last_loss, "final_val_loss": round(val_loss, 4),
+               "val_tokens": len(data.val_tokens), "train_tokens": len(data.train_tokens),
+               "documents": data.documents, "val_documents": data.val_documents,
+               "parameters": sum(p.numel() for p in run.model.parameters()),
+               "python": sys.version.split()[0], "config": asdict(cfg)}
+    (work_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    log(f"exported to {out_dir}: step {run.step}, val loss {val_loss:.3f} "
+        f"(ln vocab = {math.log(cfg.vocab_size):.2f})")
+    return val_loss
 
 
 def _main_thread() -> bool:
@@ -500,7 +552,8 @@ def cli_train_demo(args: argparse.Namespace) -> int:
         if value is not None and value <= 0:
             print(f"--{name} must be positive", file=sys.stderr)
             return 2
-    result = train(cfg, Path(args.work_dir), Path(args.out), resume=args.resume,
+    out_dir = Path(getattr(args, "out", None) or DEMO_MODEL_DIR)
+    result = train(cfg, Path(args.work_dir), out_dir, resume=args.resume,
                    export_only=getattr(args, "export_only", False))
     if not result.finished:
         print(f"stopped at step {result.step}; run the same command again to continue", file=sys.stderr)

@@ -1,0 +1,203 @@
+"""Fan-out of one request: one engine sequence per (prompt, choice), run as tasks whose outputs merge into
+one stream of events, and the request's usage, timings and device seconds once it is done.
+
+With `n > 1` the first sequence of a prompt runs alone until its prompt is in the KV cache, then the others
+start and reuse it through the prefix cache.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from hosted.async_llm_engine import Admission, AsyncLLMEngine, EngineDeadError
+from hosted.detokenizer import TextStream
+from hosted.engine import StepOutput
+from hosted.metrics import EngineMetrics
+from hosted.request_plan import Plan, PromptJob
+from hosted.sampling_params import SamplingParams
+from hosted.tokenizer import Tokenizer
+
+
+@dataclass(slots=True)
+class Choice:
+    index: int
+    job: PromptJob
+    stream: TextStream
+    request_id: str
+    num_tokens: int = 0
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    device_seconds: float = 0.0
+    finish_reason: str | None = None
+    text_parts: list[str] = field(default_factory=list)
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
+    t_first: float | None = None
+    t_last: float | None = None
+
+
+@dataclass(slots=True)
+class Event:
+    choice: Choice
+    text: str
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]]
+    finish_reason: str | None
+
+
+class Generation:
+    """Runs every sequence of one request as tasks and merges their events into one queue."""
+
+    def __init__(self, engine: AsyncLLMEngine, tokenizer: Tokenizer, plan: Plan, admission: Admission,
+                 t_arrival: float) -> None:
+        self.engine = engine
+        self.plan = plan
+        self.admission = admission
+        self.choices = _choices(plan, tokenizer)
+        self.events: asyncio.Queue[Event | BaseException | None] = asyncio.Queue()
+        self.tasks: list[asyncio.Task] = []
+        self.outcome: str | None = None  # "success" | "error" | "aborted" once the response is decided
+        self.t_start = t_arrival
+        self.t_first_token: float | None = None
+
+    def start(self) -> None:
+        share = self.engine.engine.config.enable_prefix_caching
+        block = self.engine.engine.config.block_size
+        for p in range(len(self.plan.jobs)):
+            group = self.choices[p * self.plan.n:(p + 1) * self.plan.n]
+            gate: asyncio.Event | None = None
+            if len(group) > 1 and share and len(group[0].job.ids) >= block:
+                gate = asyncio.Event()
+            for k, choice in enumerate(group):
+                opens = gate if k == 0 else None
+                waits = gate if k > 0 else None
+                self.tasks.append(asyncio.create_task(self._run(choice, opens, waits)))
+
+    def cancel(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        self.admission.release()
+
+    async def _run(self, choice: Choice, opens: asyncio.Event | None, waits: asyncio.Event | None) -> None:
+        try:
+            if waits is not None:
+                await waits.wait()
+            stream = self.engine.generate(choice.request_id, choice.job.ids, choice.job.params,
+                                          admission=self.admission)
+            async with contextlib.aclosing(stream) as outputs:  # type: ignore[type-var]
+                async for out in outputs:
+                    if opens is not None:
+                        opens.set()
+                    event = self._consume(choice, out)
+                    if event is not None:
+                        self.events.put_nowait(event)
+                    if choice.finish_reason is not None:
+                        break
+        except Exception as exc:  # noqa: BLE001 - reported to the request's consumer
+            self.events.put_nowait(exc)
+        finally:
+            if opens is not None:
+                opens.set()
+            self.events.put_nowait(None)
+
+    def _consume(self, choice: Choice, out: StepOutput) -> Event | None:
+        now = time.monotonic()
+        tokens = out.new_token_ids
+        choice.num_prompt_tokens = out.num_prompt_tokens
+        choice.num_cached_tokens = out.num_cached_tokens
+        choice.device_seconds = out.device_seconds
+        if tokens:
+            choice.num_tokens += len(tokens)
+            if choice.t_first is None:
+                choice.t_first = now
+                if self.t_first_token is None:
+                    self.t_first_token = now
+            choice.t_last = now
+        # The token that ended the request with "stop" is EOS or a stop token id: counted, not rendered.
+        text_tokens = tokens[:-1] if out.finished and out.finish_reason == "stop" else tokens
+        text = choice.stream.push(text_tokens)
+        finish = None
+        if choice.stream.stopped:
+            finish = "stop"
+        elif out.finished:
+            if out.finish_reason == "abort":
+                raise EngineDeadError("the request was aborted inside the engine")
+            text += choice.stream.finish()
+            finish = "stop" if choice.stream.stopped else out.finish_reason
+        lps: list[tuple[int, float, list[tuple[int, float]]]] = []
+        if self.plan.logprobs and out.logprobs:
+            lps = [(lp.token_id, lp.logprob, lp.top) for lp in out.logprobs]
+            choice.logprobs.extend(lps)
+        if text:
+            choice.text_parts.append(text)
+        if finish is not None:
+            choice.finish_reason = finish
+        if not text and not lps and finish is None:
+            return None
+        return Event(choice, text, lps, finish)
+
+    async def iterate(self) -> AsyncIterator[Event]:
+        """Yield events until every sequence is done; re-raise the first failure."""
+        remaining = len(self.tasks)
+        try:
+            while remaining:
+                item = await self.events.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            self.admission.release()
+
+    async def drain(self) -> None:
+        """Run every sequence to its end (a non-streamed response reads the choices afterwards)."""
+        async for _ in self.iterate():
+            pass
+
+    # ---------------------------------------------------------------- summaries
+    def usage(self) -> dict[str, Any]:
+        prompt = sum(len(job.ids) for job in self.plan.jobs)
+        cached = sum(self.choices[p * self.plan.n].num_cached_tokens for p in range(len(self.plan.jobs)))
+        completion = sum(c.num_tokens for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def extension(self) -> dict[str, float]:
+        return {"device_seconds": round(sum(c.device_seconds for c in self.choices), 6),
+                "utilisation": round(self.engine.utilisation(), 6)}
+
+    def observe(self, metrics: EngineMetrics) -> None:
+        now = time.monotonic()
+        if self.t_first_token is not None:
+            metrics.ttft.observe(self.t_first_token - self.t_start)
+        for c in self.choices:
+            if c.t_first is not None and c.t_last is not None and c.num_tokens > 1:
+                metrics.tpot.observe((c.t_last - c.t_first) / (c.num_tokens - 1))
+        metrics.e2e.observe(now - self.t_start)
+        metrics.prompt_tokens.inc(sum(len(job.ids) for job in self.plan.jobs))
+        metrics.generation_tokens.inc(sum(c.num_tokens for c in self.choices))
+
+
+def _choices(plan: Plan, tokenizer: Tokenizer) -> list[Choice]:
+    """One choice per (prompt, j < n), indexed prompt-major as OpenAI numbers them."""
+    choices = []
+    for p, job in enumerate(plan.jobs):
+        for j in range(plan.n):
+            job_j = job
+            if job.params.seed is not None and plan.n > 1:
+                # Distinct but reproducible streams per choice.
+                params = _replace_seed(job.params, (job.params.seed + j) % (2**63))
+                job_j = PromptJob(job.ids, params, job.context_ids, job.echo_text)
+            choices.append(Choice(index=p * plan.n + j, job=job_j,
+                                  stream=TextStream(tokenizer, plan.stop, context_ids=job.context_ids),
+                                  request_id=f"{plan.request_id}-{p}-{j}"))
+    return choices
+
+
+def _replace_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    return dataclasses.replace(params, seed=seed, stop_token_ids=list(params.stop_token_ids))

@@ -1,0 +1,177 @@
+"""Turn a validated OpenAI request into a plan: the prompt token ids, sampling parameters and output options
+of every engine sequence it asks for, or a 400 naming what is wrong."""
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from hosted.async_llm_engine import AsyncLLMEngine
+from hosted.openai_protocol import ChatCompletionRequest, CompletionRequest
+from hosted.sampling_params import SamplingParams
+from hosted.tokenizer import ChatTemplateError, Tokenizer
+from openai_wire import APIError
+
+_COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+@dataclass(slots=True)
+class PromptJob:
+    ids: list[int]
+    params: SamplingParams
+    context_ids: list[int]  # left context for detokenizing (completions: the prompt)
+    echo_text: str = ""
+
+
+@dataclass(slots=True)
+class Plan:
+    kind: str  # "chat" | "completion"
+    request_id: str
+    jobs: list[PromptJob]
+    n: int
+    stop: list[str]
+    logprobs: bool
+    top_logprobs: int
+    stream: bool
+    include_usage: bool
+
+
+def plan_request(kind: str, req: ChatCompletionRequest | CompletionRequest, tokenizer: Tokenizer,
+                 engine: AsyncLLMEngine) -> Plan:
+    if kind == "chat":
+        return plan_chat(req, tokenizer, engine)  # type: ignore[arg-type]
+    return plan_completion(req, tokenizer, engine)  # type: ignore[arg-type]
+
+
+def too_long(prompt_len: int, max_tokens: int, engine: AsyncLLMEngine, param: str) -> APIError | None:
+    total = prompt_len + max_tokens
+    if total > engine.max_model_len:
+        return APIError(400, f"the prompt has {prompt_len} tokens and max_tokens is {max_tokens}: together "
+                             f"{total} tokens, more than this model's context length of {engine.max_model_len} "
+                             f"tokens; shorten the prompt or lower max_tokens", param=param,
+                        code="context_length_exceeded")
+    if total > engine.max_request_tokens:
+        return APIError(400, f"the prompt has {prompt_len} tokens and max_tokens is {max_tokens}: together "
+                             f"{total} tokens, more than the engine's KV cache can hold for one request "
+                             f"({engine.max_request_tokens}); shorten the prompt or lower max_tokens",
+                        param=param, code="context_length_exceeded")
+    return None
+
+
+def _check_length(prompt_len: int, max_tokens: int, engine: AsyncLLMEngine, param: str) -> None:
+    err = too_long(prompt_len, max_tokens, engine, param)
+    if err:
+        raise err
+
+
+def build_sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: int, tokenizer: Tokenizer,
+                          engine: AsyncLLMEngine, logprobs: bool, top_logprobs: int) -> SamplingParams:
+    stop_ids = list(req.stop_token_ids or [])
+    if not req.ignore_eos:
+        # The tokenizer's EOS (tokenizer_config / generation_config) ends generation even when the model's
+        # config.json does not list it.
+        for tid in tokenizer.eos_token_ids:
+            if tid not in engine.engine.eos_token_ids and tid not in stop_ids:
+                stop_ids.append(tid)
+    top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else float(req.temperature),
+        top_p=1.0 if req.top_p is None else float(req.top_p),
+        top_k=top_k,
+        seed=req.seed,
+        presence_penalty=float(req.presence_penalty or 0.0),
+        frequency_penalty=float(req.frequency_penalty or 0.0),
+        stop_token_ids=stop_ids,
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+    )
+    try:
+        params.validate(engine.engine.model_config.vocab_size)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0], code="invalid_value") from None
+    return params
+
+
+# ---------------------------------------------------------------------------------------------- chat
+def plan_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, engine: AsyncLLMEngine) -> Plan:
+    if req.top_logprobs and not req.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs", code="invalid_value")
+    if req.tool_choice not in (None, "none", "auto"):
+        raise APIError(400, "this engine renders tools into the prompt but does not force tool calls; "
+                            "tool_choice must be 'auto' or 'none'", param="tool_choice", code="invalid_value")
+    ids = _chat_prompt_ids(req, tokenizer)
+    max_tokens = req.max_output_tokens
+    if max_tokens is None:
+        max_tokens = engine.max_request_tokens - len(ids)  # all the room left (max_request_tokens <= context)
+        if max_tokens < 1:
+            raise APIError(400, f"the messages have {len(ids)} tokens, which leaves no room to answer within "
+                                f"this model's context length of {engine.max_model_len} tokens",
+                           param="messages", code="context_length_exceeded")
+    _check_length(len(ids), max_tokens, engine, "messages")
+    top = int(req.top_logprobs or 0)
+    params = build_sampling_params(req, max_tokens, tokenizer, engine, req.logprobs, top)
+    return Plan("chat", f"chatcmpl-{uuid.uuid4().hex}", [PromptJob(ids, params, [])], req.n, req.stop_list,
+                req.logprobs, top, req.stream, req.include_usage)
+
+
+def _chat_prompt_ids(req: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
+    """The conversation rendered through the chat template, as token ids."""
+    messages = [m.template_dict() for m in req.messages]
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+                                             tools=req.tools, **(req.chat_template_kwargs or {}))
+    except ChatTemplateError as exc:
+        raise APIError(400, str(exc), param="messages", code="invalid_value") from None
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if not ids:
+        raise APIError(400, "the rendered conversation is empty", param="messages", code="empty_prompt")
+    return ids
+
+
+# ---------------------------------------------------------------------------------------------- completions
+def plan_completion(req: CompletionRequest, tokenizer: Tokenizer, engine: AsyncLLMEngine) -> Plan:
+    _check_completion_options(req)
+    prompts = req.prompts()
+    if not prompts:
+        raise APIError(400, "prompt is empty", param="prompt", code="empty_prompt")
+    max_tokens = req.max_output_tokens if req.max_output_tokens is not None else _COMPLETION_DEFAULT_MAX_TOKENS
+    logprobs = req.logprobs is not None
+    top = int(req.logprobs or 0)
+    params = build_sampling_params(req, max_tokens, tokenizer, engine, logprobs, top)
+    jobs = []
+    for i, prompt in enumerate(prompts):
+        param = "prompt" if len(prompts) == 1 else f"prompt.{i}"
+        ids, echo_text = _completion_prompt(req, prompt, param, tokenizer, engine.engine.model_config.vocab_size)
+        _check_length(len(ids), max_tokens, engine, param)
+        jobs.append(PromptJob(ids, params, ids, echo_text if req.echo else ""))
+    return Plan("completion", f"cmpl-{uuid.uuid4().hex}", jobs, req.n, req.stop_list, logprobs, top,
+                req.stream, req.include_usage)
+
+
+def _check_completion_options(req: CompletionRequest) -> None:
+    if req.suffix:
+        raise APIError(400, "suffix is not supported by this engine", param="suffix", code="invalid_value")
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError(400, "best_of other than n is not supported by this engine", param="best_of",
+                       code="invalid_value")
+    if req.echo and req.logprobs is not None:
+        raise APIError(400, "echo together with logprobs is not supported (prompt logprobs are not computed)",
+                       param="echo", code="invalid_value")
+
+
+def _completion_prompt(req: CompletionRequest, prompt: str | list[int], param: str, tokenizer: Tokenizer,
+                       vocab: int) -> tuple[list[int], str]:
+    """(token ids, echo text) of one prompt, text or token ids."""
+    if isinstance(prompt, str):
+        if prompt == "":
+            raise APIError(400, "prompt is empty", param=param, code="empty_prompt")
+        return tokenizer.encode(prompt), prompt
+    ids = list(prompt)
+    if not ids:
+        raise APIError(400, "prompt is empty", param=param, code="empty_prompt")
+    bad = next((t for t in ids if t >= vocab), None)
+    if bad is not None:
+        raise APIError(400, f"prompt holds token id {bad}, outside this model's vocabulary of {vocab}",
+                       param=param, code="invalid_value")
+    return ids, tokenizer.decode(ids) if req.echo else ""
