@@ -113,7 +113,7 @@ def main() -> int:
     results: dict[str, dict] = {}
     try:
         up_port = free_port()
-        processes.append(start([sys.executable, "-m", "gateway.standin", "--port", str(up_port),
+        processes.append(start([sys.executable, "-m", "gateway.testing.standin", "--port", str(up_port),
                                 "--engine-extension"], {}, tmp / "standin.log"))
         upstream = f"http://127.0.0.1:{up_port}/v1"
         wait_http(upstream.removesuffix("/v1") + "/_control", 60)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from gateway import errors
+from openai_wire import messages_text
 
 DEFAULT_MAX_TOKENS_ESTIMATE = 4096  # a request without max_tokens may run this long; reserve for it
 
@@ -38,22 +39,20 @@ def validate(body: object, endpoint: str) -> dict:
 
 
 def prompt_text(body: dict, endpoint: str) -> str:
-    """The text the model will see, flattened (for token estimates, the router and opt-in logging)."""
+    """The text the model will see, flattened (for token estimates, opt-in logging and shadow rows): each
+    message's text by `openai_wire.content_text`, or the completions prompt ("" for token ids)."""
     if endpoint == "chat":
-        parts = []
-        for message in body["messages"]:
-            content = message.get("content")
-            if isinstance(content, str):
-                parts.append(content)
-            elif isinstance(content, list):  # content parts: keep the text ones
-                parts.extend(p.get("text", "") for p in content if isinstance(p, dict))
-        return "\n".join(parts)
-    prompt = body["prompt"]
+        return messages_text(body["messages"])
+    return completions_prompt_text(body["prompt"]) or ""
+
+
+def completions_prompt_text(prompt: object) -> str | None:
+    """A completions `prompt` as text: a string as is, a list of strings joined by newlines; None for token ids."""
     if isinstance(prompt, str):
         return prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         return "\n".join(prompt)
-    return ""
+    return None
 
 
 def estimate_prompt_tokens(body: dict, endpoint: str) -> int:

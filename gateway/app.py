@@ -17,19 +17,22 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway import db, errors, metrics, pricing, proxy
+from gateway import db, metrics, pricing, proxy
 from gateway.auth import Authenticator
 from gateway.backend_pool import BackendPool
 from gateway.backends.resilience import BreakerRegistry
 from gateway.budgets import BudgetBook
 from gateway.embedded import EmbeddedEngines
 from gateway.ledger.models import RequestRow
-from gateway.ledger.writer import LedgerWriter
+from gateway.ledger.writer import LedgerWriter, ShadowEvalWriter
 from gateway.policy import Policy
 from gateway.policy_store import PolicyStore
 from gateway.ratelimit import RateLimiter
 from gateway.routing import RoutingRuntime
-from gateway.shadow import ShadowRunner
+from gateway.shadow.runner import ShadowRunner
+from gateway.tasks import cancel_and_wait
+from openai_wire import APIError
+from openai_wire.responses import error_response
 
 log = logging.getLogger("switchyard.gateway")
 
@@ -46,7 +49,8 @@ class GatewayConfig:
 
 @dataclass(slots=True)
 class Gateway:
-    """Everything the request path needs, built once in the lifespan."""
+    """Every long-lived part, built once in the lifespan (`app.state.gw`); the request path gets only
+    `services`, the parts it uses."""
 
     config: GatewayConfig
     db_engine: AsyncEngine
@@ -55,11 +59,13 @@ class Gateway:
     pool: BackendPool
     embedded: EmbeddedEngines
     auth: Authenticator
-    breakers: BreakerRegistry = field(default_factory=BreakerRegistry)
-    limiter: RateLimiter = field(default_factory=RateLimiter)
-    budgets: BudgetBook | None = None
+    budgets: BudgetBook
+    shadow: ShadowRunner  # shadow evaluation, with its own writer (and spool) for shadow_evals
+    breakers: BreakerRegistry
+    limiter: RateLimiter
+    routing: RoutingRuntime  # difficulty models and engine load
+    services: proxy.Services
     started_at: float = field(default_factory=time.time)
-    routing: RoutingRuntime = field(default_factory=RoutingRuntime)  # difficulty models, engine load, shadow
 
 
 async def _spent_by_key(engine: AsyncEngine, key_id: str) -> float:
@@ -72,6 +78,22 @@ async def _spent_by_key(engine: AsyncEngine, key_id: str) -> float:
 @contextlib.asynccontextmanager
 async def _lifespan(app: Starlette):
     config: GatewayConfig = app.state.config
+    gw = await _start(config)
+    app.state.gw = gw
+    app.state.services = gw.services
+    if config.banner:
+        print(config.banner, flush=True)
+    lag_watcher = asyncio.create_task(metrics.watch_loop_lag())
+    try:
+        yield
+    finally:
+        await cancel_and_wait(lag_watcher)
+        # uvicorn has stopped accepting and drained in-flight requests: flush everything they logged.
+        await _stop(gw)
+
+
+async def _start(config: GatewayConfig) -> Gateway:
+    """Build every part, apply the live policy and wait (bounded) for embedded engines."""
     config.data_dir.mkdir(parents=True, exist_ok=True)
     # The price map loads with litellm (seconds): do it now, never on a request's first accounting.
     await asyncio.to_thread(pricing.price_table_version)
@@ -82,12 +104,18 @@ async def _lifespan(app: Starlette):
     await policy_store.start()
     embedded = EmbeddedEngines(config.data_dir / "logs")
     pool = BackendPool(embedded)
+    breakers, limiter, routing = BreakerRegistry(), RateLimiter(), RoutingRuntime()
+    auth = Authenticator(db_engine, config.master_key)
+    budgets = BudgetBook(lambda key_id: _spent_by_key(db_engine, key_id))
+    shadow = ShadowRunner(pool, breakers, writer,
+                          ShadowEvalWriter(config.database_url, config.data_dir / "shadow-spool.jsonl"))
+    await shadow.start()
+    services = proxy.Services(auth=auth, policy_store=policy_store, models=routing.models, load=routing.load,
+                              limiter=limiter, budgets=budgets, pool=pool, breakers=breakers, ledger=writer,
+                              shadow=shadow)
     gw = Gateway(config=config, db_engine=db_engine, writer=writer, policy_store=policy_store, pool=pool,
-                 embedded=embedded, auth=Authenticator(db_engine, config.master_key))
-    gw.budgets = BudgetBook(lambda key_id: _spent_by_key(db_engine, key_id))
-    # routing: shadow evaluation has its own writer (and spool) for shadow_evals
-    gw.routing.shadow = ShadowRunner(gw, config.data_dir / "shadow-spool.jsonl")
-    await gw.routing.shadow.start()
+                 embedded=embedded, auth=auth, budgets=budgets, shadow=shadow, breakers=breakers, limiter=limiter,
+                 routing=routing, services=services)
     await _apply_policy(gw, policy_store.current)
 
     async def on_change(policy: Policy) -> None:
@@ -99,20 +127,16 @@ async def _lifespan(app: Starlette):
         for name, ok in ready.items():
             if not ok:
                 log.error("embedded engine %s is not healthy yet; its routes use fallbacks until it is", name)
-    app.state.gw = gw
-    if config.banner:
-        print(config.banner, flush=True)
-    lag_watcher = asyncio.create_task(metrics.watch_loop_lag())
-    try:
-        yield
-    finally:
-        lag_watcher.cancel()
-        # uvicorn has stopped accepting and drained in-flight requests: flush everything they logged.
-        await policy_store.stop()
-        await gw.routing.aclose()  # finishes queued shadow jobs (they use the pool and the ledger writer)
-        await pool.aclose()
-        await writer.close()
-        await db_engine.dispose()
+    return gw
+
+
+async def _stop(gw: Gateway) -> None:
+    await gw.policy_store.stop()
+    await gw.shadow.aclose()  # finishes queued shadow jobs (they use the pool and the ledger writer)
+    await gw.routing.aclose()
+    await gw.pool.aclose()
+    await gw.writer.close()
+    await gw.db_engine.dispose()
 
 
 async def _apply_policy(gw: Gateway, policy: Policy) -> None:
@@ -124,19 +148,19 @@ async def _apply_policy(gw: Gateway, policy: Policy) -> None:
 
 
 async def chat_completions(request: Request) -> Response:
-    return await proxy.handle(request.app.state.gw, request, "chat")
+    return await proxy.handle(request.app.state.services, request, "chat")
 
 
 async def completions(request: Request) -> Response:
-    return await proxy.handle(request.app.state.gw, request, "completions")
+    return await proxy.handle(request.app.state.services, request, "completions")
 
 
 async def list_models(request: Request) -> Response:
     gw: Gateway = request.app.state.gw
     try:
         await gw.auth.authenticate(request.headers.get("authorization"))
-    except errors.APIError as exc:
-        return exc.response()
+    except APIError as exc:
+        return error_response(exc)
     created = int(gw.started_at)
     data = [{"id": name, "object": "model", "created": created, "owned_by": "switchyard"}
             for name in gw.policy_store.current.routes]
@@ -173,10 +197,10 @@ def create_app(config: GatewayConfig) -> Starlette:
 
 
 async def _not_found(request: Request, exc: Exception) -> Response:
-    return errors.APIError(404, f"Unknown endpoint {request.method} {request.url.path}.",
-                           type="invalid_request_error", code="unknown_url").response()
+    return error_response(APIError(404, f"Unknown endpoint {request.method} {request.url.path}.",
+                                   type="invalid_request_error", code="unknown_url"))
 
 
 async def _method_not_allowed(request: Request, exc: Exception) -> Response:
-    return errors.APIError(405, f"Method {request.method} is not allowed on {request.url.path}.",
-                           type="invalid_request_error", code="method_not_allowed").response()
+    return error_response(APIError(405, f"Method {request.method} is not allowed on {request.url.path}.",
+                                   type="invalid_request_error", code="method_not_allowed"))

@@ -1,14 +1,34 @@
 """The `switchyard` command. Each package owns its subcommands; this file only wires them.
 
-Handlers import their modules lazily so `switchyard --help` is fast and the gateway's
-commands never import torch.
+The gateway's own handlers live in gateway/cli_handlers.py and are imported only when their command
+runs, so `switchyard --help` is fast and the gateway's commands never import torch. The router's group
+gets what it needs of the gateway by injection (router/ never imports the gateway): the policy writer
+behind `router calibrate --write`, and `router retrain`, added here because it reads the ledger.
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+from collections.abc import Callable
 
-from gateway import settings
+
+def _lazy(module: str, name: str) -> Callable:
+    """`module.name`, imported when first called rather than when the parser is built."""
+    def call(*args, **kwargs):
+        return getattr(importlib.import_module(module), name)(*args, **kwargs)
+
+    return call
+
+
+def _command(sub: argparse._SubParsersAction, group: str, command: str, handler: str, *, group_help: str,
+             group_description: str, help: str, description: str) -> argparse.ArgumentParser:
+    """`switchyard GROUP COMMAND`, run by gateway.cli_handlers.HANDLER; returns the command's parser."""
+    p = sub.add_parser(group, help=group_help, description=group_description)
+    gsub = p.add_subparsers(dest=f"{group}_command", required=True)
+    c = gsub.add_parser(command, help=help, description=description)
+    c.set_defaults(func=_lazy("gateway.cli_handlers", handler))
+    return c
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
@@ -20,60 +40,57 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--database-url", default=None,
                    help="sqlite:///… or postgresql://… (env SWITCHYARD_DATABASE_URL; default SQLite under ./data/)")
     p.add_argument("--log-level", default="info")
-
-    def run(args: argparse.Namespace) -> int:
-        from gateway.serve import serve
-
-        return serve(args)
-
-    p.set_defaults(func=run)
+    p.set_defaults(func=_lazy("gateway.serve", "serve"))
 
 
 def _add_keys(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("keys", help="manage API keys", description="Manage client API keys.")
-    ksub = p.add_subparsers(dest="keys_command", required=True)
-    c = ksub.add_parser("create", help="create a key; prints it as the last line",
-                        description="Create a client key. Only its hash is stored; the key is printed once.")
+    c = _command(sub, "keys", "create", "keys_create", group_help="manage API keys",
+                 group_description="Manage client API keys.", help="create a key; prints it as the last line",
+                 description="Create a client key. Only its hash is stored; the key is printed once.")
     c.add_argument("--team", required=True)
     c.add_argument("--budget-usd", type=float, default=None)
     c.add_argument("--rpm", type=int, default=None, help="requests per minute")
     c.add_argument("--tpm", type=int, default=None, help="tokens per minute")
     c.add_argument("--database-url", default=None)
 
-    def run(args: argparse.Namespace) -> int:
-        from gateway.keys import cli_create
-
-        return cli_create(args)
-
-    c.set_defaults(func=run)
-
 
 def _add_policy(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("policy", help="work with policy files", description="Work with policy YAML files.")
-    psub = p.add_subparsers(dest="policy_command", required=True)
-    c = psub.add_parser("check", help="validate a policy file", description="Validate a policy YAML file.")
+    c = _command(sub, "policy", "check", "policy_check", group_help="work with policy files",
+                 group_description="Work with policy YAML files.", help="validate a policy file",
+                 description="Validate a policy YAML file.")
     c.add_argument("file")
-
-    def run(args: argparse.Namespace) -> int:
-        from gateway.policy import cli_check
-
-        return cli_check(args)
-
-    c.set_defaults(func=run)
 
 
 def _add_db(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("db", help="ledger database", description="Manage the ledger database.")
-    dsub = p.add_subparsers(dest="db_command", required=True)
-    c = dsub.add_parser("upgrade", help="apply migrations", description="Apply Alembic migrations (to head).")
+    c = _command(sub, "db", "upgrade", "db_upgrade", group_help="ledger database",
+                 group_description="Manage the ledger database.", help="apply migrations",
+                 description="Apply Alembic migrations (to head).")
     c.add_argument("--database-url", default=None)
 
-    def run(args: argparse.Namespace) -> int:
-        from gateway.db import cli_upgrade
 
-        return cli_upgrade(args)
+def _add_router(sub: argparse._SubParsersAction) -> None:
+    from router.cli import guard, register
+    from router.retrain import DEFAULT_MIN_ROWS
 
-    c.set_defaults(func=run)
+    rsub = register(sub, policy_writer=_lazy("gateway.policy_edit", "write_route"))
+    # Learning from the gateway's shadow evaluations: the labelled set comes from the ledger.
+    r = rsub.add_parser("retrain", help="retrain on the gateway's shadow evaluations; keep the better model",
+                        description="Train a new difficulty model on the shadow_evals table, compare it with the "
+                                    "current one on a stratified held-out part (APGR, CPT(50%)), and replace "
+                                    "the current model file (or write --out) only if the new one is better.")
+    r.add_argument("--from-ledger", action="store_true", help="read labels from the ledger's shadow_evals table")
+    r.add_argument("--database-url", default=None,
+                   help="ledger database (default: $SWITCHYARD_DATABASE_URL, else sqlite:///data/switchyard.db)")
+    r.add_argument("--route", default=None, help="only this route's rows (default: all)")
+    r.add_argument("--model", default=None, metavar="CURRENT",
+                   help="the current model file, replaced if the new model is better (default: the default model)")
+    r.add_argument("--out", default=None, metavar="PATH", help="write the better model here instead")
+    r.add_argument("--min-rows", type=int, default=DEFAULT_MIN_ROWS,
+                   help=f"refuse with fewer labelled rows (default {DEFAULT_MIN_ROWS})")
+    r.add_argument("--holdout", type=float, default=0.3, help="share held out for the comparison (default 0.3)")
+    r.add_argument("--min-gain", type=float, default=0.0, help="APGR the new model must gain to replace (default 0)")
+    r.add_argument("--seed", type=int, default=0, help="seed of the held-out split (default 0)")
+    r.set_defaults(func=guard(_lazy("gateway.cli_handlers", "router_retrain")))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,15 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_db(sub)
     # Other packages register their own groups; their modules import heavy deps lazily.
     from hosted.cli import register as register_engine
-    from router.cli import register as register_router
 
     register_engine(sub)
-    register_router(sub)
+    _add_router(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    settings.load_dotenv_defaults()
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 

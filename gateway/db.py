@@ -6,9 +6,7 @@ Migrations are the only way the schema is created.
 """
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -154,22 +152,9 @@ def head_revision() -> str | None:
     return ScriptDirectory(str(migrations_dir())).get_current_head()
 
 
-def _redact(url: str) -> str:
+def redact_url(url: str) -> str:
+    """The URL for display: its password hidden."""
     try:
         return make_url(url).render_as_string(hide_password=True)
     except Exception:  # noqa: BLE001 - only for display
         return "<database url>"
-
-
-def cli_upgrade(args: argparse.Namespace) -> int:
-    """`switchyard db upgrade [--database-url URL]`."""
-    from gateway import settings
-
-    url = settings.database_url(getattr(args, "database_url", None))
-    try:
-        upgrade(url)
-    except Exception as exc:  # noqa: BLE001 - report any failure as a clear CLI error
-        print(f"switchyard db upgrade: failed on {_redact(url)}: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
-    print(f"database {_redact(url)} is at revision {current_revision(url)} (head)")
-    return 0

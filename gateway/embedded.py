@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 
 from gateway import metrics, settings
-from gateway.policy import BackendSpec, Policy
+from gateway.policy import DEFAULT_ENGINE_MODEL_PATH, BackendSpec, Policy
 
 log = logging.getLogger("switchyard.embedded")
 
@@ -58,7 +58,7 @@ class EngineProcess:
         self.restarts = 0
 
     def command(self) -> list[str]:
-        model_dir = resolve_model_path(self.spec.engine_model_path or "hosted/models/demo")
+        model_dir = resolve_model_path(self.spec.engine_model_path or DEFAULT_ENGINE_MODEL_PATH)
         cmd = [sys.executable, "-m", "gateway.cli", "engine", "serve", "--model", str(model_dir),
                "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", self.spec.model]
         for flag, value in (self.spec.engine_args or {}).items():

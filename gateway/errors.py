@@ -1,29 +1,13 @@
-"""OpenAI-shaped errors: one exception type, one JSON body, the status codes clients expect."""
+"""The gateway's OpenAI errors: factories for the status codes clients expect.
+
+The exception type and its body are `openai_wire.APIError` (shared with the engine); answer one with
+`openai_wire.responses.error_response`.
+"""
 from __future__ import annotations
 
-import orjson
-from starlette.responses import Response
+from openai_wire import APIError
 
-
-class APIError(Exception):
-    """An error the gateway answers with OpenAI's body: {"error": {message, type, param, code}}."""
-
-    def __init__(self, status: int, message: str, *, type: str, param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> Response:
-        return Response(orjson.dumps(self.body()), status_code=self.status,
-                        media_type="application/json", headers=self.headers)
+__all__ = ["APIError", "authentication", "invalid_request", "model_not_found", "rate_limited", "upstream_failed"]
 
 
 def invalid_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

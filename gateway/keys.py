@@ -1,8 +1,6 @@
 """Client API keys: generation, hashing and storage. Only SHA-256 hashes are ever stored."""
 from __future__ import annotations
 
-import argparse
-import asyncio
 import hashlib
 import secrets
 from dataclasses import dataclass
@@ -11,7 +9,6 @@ from datetime import UTC, datetime
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gateway import db, settings
 from gateway.ledger.models import ApiKey
 
 KEY_PREFIX = "sk-sy-"
@@ -81,26 +78,3 @@ async def has_admin_key(engine: AsyncEngine) -> bool:
     async with engine.connect() as conn:
         result = await conn.execute(select(ApiKey.id).where(ApiKey.is_admin.is_(True), ApiKey.revoked.is_(False)))
         return result.first() is not None
-
-
-def cli_create(args: argparse.Namespace) -> int:
-    url = settings.database_url(args.database_url)
-    db.upgrade(url)
-
-    async def run() -> str:
-        engine = db.create_engine(url)
-        try:
-            key, info = await create_key(engine, args.team, budget_usd=args.budget_usd, rpm=args.rpm, tpm=args.tpm)
-        finally:
-            await engine.dispose()
-        limits = ", ".join(f"{k}={v}" for k, v in (("budget_usd", info.budget_usd), ("rpm", info.rpm),
-                                                    ("tpm", info.tpm)) if v is not None) or "no limits"
-        print(f"Created key {info.id} for team '{info.team}' ({limits}). It is shown once; store it now:")
-        return key
-
-    try:
-        print(asyncio.run(run()))
-    except ValueError as exc:
-        print(f"error: {exc}")
-        return 2
-    return 0

@@ -23,6 +23,22 @@ LOOP_LAG = Histogram("switchyard_event_loop_lag_seconds", "How late the event lo
                      buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5))
 
 
+class InFlight:
+    """One request's place in switchyard_requests_in_flight: counted when made, uncounted by the first `end()`
+    (later calls do nothing), so however a request ends it is counted out exactly once."""
+
+    __slots__ = ("_ended",)
+
+    def __init__(self) -> None:
+        self._ended = False
+        IN_FLIGHT.inc()
+
+    def end(self) -> None:
+        if not self._ended:
+            self._ended = True
+            IN_FLIGHT.dec()
+
+
 async def watch_loop_lag(interval_s: float = 0.25) -> None:
     import asyncio
     import time

@@ -1,54 +1,38 @@
 """The routing policy: a YAML file validated into typed models, with errors that name file, field and fix.
 
-The policy is the only routing configuration. `load_policy` reads a file; `parse_policy` validates text;
-`cli_check` backs `switchyard policy check FILE`. Validation happens in two passes: pydantic checks shapes,
-types and unknown keys; `_check_references` then checks what pydantic cannot see (backend names that must
-exist, fields that only make sense for one kind). Every problem is reported with the YAML line it came from.
+The policy is the only routing configuration. `load_policy` reads a file; `parse_policy` validates text.
+Validation happens in two passes: pydantic checks shapes, types and unknown keys; `_check_references` then
+checks what pydantic cannot see (backend names that must exist, fields that only make sense for one kind).
+Every problem is reported with the YAML line it came from (gateway/policy_diagnostics.py); the
+`switchyard policy check` command is in gateway/cli_handlers.py.
 """
 from __future__ import annotations
 
-import difflib
 import hashlib
 import re
-import sys
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from gateway.policy_diagnostics import (
+    Marks,
+    PolicyError,
+    PolicyIssue,
+    from_pydantic,
+    issue_at,
+    read_yaml,
+    suggest,
+    typename,
+)
+
+__all__ = ["DEFAULT_ENGINE_MODEL_PATH", "BackendSpec", "IdleSpec", "Policy", "PolicyError", "PolicyIssue",
+           "RouteSpec", "ShadowSpec", "SpilloverSpec", "load_policy", "parse_policy", "policy_warnings"]
 
 DEFAULT_ENGINE_MODEL_PATH = "hosted/models/demo"
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-
-
-@dataclass(slots=True)
-class PolicyIssue:
-    """One problem in a policy file: where it is, what is wrong, how to fix it."""
-
-    source: str
-    path: str  # e.g. "routes.gpt-4o-mini.fallbacks[0]"; "" for the whole document
-    problem: str
-    fix: str
-    line: int | None = None
-    col: int | None = None
-
-    def __str__(self) -> str:
-        where = self.source
-        if self.line is not None:
-            where += f":{self.line}" + (f":{self.col}" if self.col is not None else "")
-        field = f" {self.path}:" if self.path else ""
-        return f"{where}:{field} {self.problem}; fix: {self.fix}"
-
-
-class PolicyError(Exception):
-    """A policy file that cannot be used. `str()` lists every problem, one per line."""
-
-    def __init__(self, issues: list[PolicyIssue]):
-        self.issues = issues
-        head = f"invalid policy ({len(issues)} problem{'s' if len(issues) != 1 else ''}):\n" if len(issues) > 1 else ""
-        super().__init__(head + "\n".join(str(i) for i in issues))
 
 
 class _Strict(BaseModel):
@@ -174,18 +158,18 @@ def load_policy(path: str | Path) -> Policy:
 def parse_policy(text: str, source: str) -> Policy:
     """Validate policy YAML text; `source` names it in errors (usually the file path)."""
     version = hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
-    doc, marks = _read_yaml(text, source)
+    doc, marks = read_yaml(text, source)
     issues: list[PolicyIssue] = []
     if doc is None:
         raise PolicyError([PolicyIssue(source, "", "the policy is empty",
                                        "add a `backends:` and a `routes:` section (see policies/default.yaml)")])
     if not isinstance(doc, dict):
-        raise PolicyError([_at(source, (), marks, f"the top level must be a mapping, got {_typename(doc)}",
-                               "start the file with `backends:` and `routes:` sections")])
+        raise PolicyError([issue_at(source, (), marks, f"the top level must be a mapping, got {typename(doc)}",
+                                    "start the file with `backends:` and `routes:` sections")])
     for reserved in ("version", "source"):
         if reserved in doc:
-            issues.append(_at(source, (reserved,), marks, f"'{reserved}' is computed, not written",
-                              f"remove the `{reserved}:` key"))
+            issues.append(issue_at(source, (reserved,), marks, f"'{reserved}' is computed, not written",
+                                   f"remove the `{reserved}:` key"))
     if issues:
         raise PolicyError(issues)
     # Top-level `x-…` keys hold shared YAML anchors (as in docker compose); they are not settings.
@@ -193,7 +177,7 @@ def parse_policy(text: str, source: str) -> Policy:
     try:
         policy = Policy.model_validate({**doc, "version": version, "source": source})
     except ValidationError as e:
-        raise PolicyError([_from_pydantic(err, source, marks) for err in e.errors()]) from None
+        raise PolicyError([from_pydantic(err, source, marks, _allowed_fields_at) for err in e.errors()]) from None
     issues = _check_references(policy, source, marks)
     if issues:
         raise PolicyError(issues)
@@ -230,87 +214,7 @@ def _fill_defaults(policy: Policy) -> Policy:
     return policy.model_copy(update={"backends": backends, "routes": routes})
 
 
-# ---------------------------------------------------------------- YAML with line numbers
-
-
-class _Loader(yaml.SafeLoader):
-    pass
-
-
-def _read_yaml(text: str, source: str) -> tuple[Any, dict[tuple, tuple[int, int]]]:
-    """Parse YAML and remember where every key and item starts (1-based line, column)."""
-    loader = _Loader(text)
-    try:
-        node = loader.get_single_node()
-        if node is None:
-            return None, {}
-        marks: dict[tuple, tuple[int, int]] = {}
-        dupes: list[PolicyIssue] = []
-        _index(node, (), marks, dupes, source)
-        if dupes:
-            raise PolicyError(dupes)
-        return loader.construct_document(node), marks
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark or e.context_mark
-        problem = ": ".join(x for x in (e.context, e.problem) if x) or "invalid YAML"
-        raise PolicyError([PolicyIssue(source, "", f"YAML syntax error: {problem}",
-                                       "fix the indentation/quoting at this position",
-                                       mark.line + 1 if mark else None,
-                                       mark.column + 1 if mark else None)]) from None
-    except yaml.YAMLError as e:
-        raise PolicyError([PolicyIssue(source, "", f"YAML error: {e}", "fix the YAML syntax")]) from None
-    finally:
-        loader.dispose()
-
-
-def _index(node: yaml.Node, path: tuple, marks: dict, dupes: list[PolicyIssue], source: str,
-           active: frozenset = frozenset()) -> None:
-    marks.setdefault(path, (node.start_mark.line + 1, node.start_mark.column + 1))
-    if id(node) in active:  # a recursive alias (&a [*a]); pydantic will reject the value itself
-        return
-    active = active | {id(node)}
-    if isinstance(node, yaml.MappingNode):
-        seen: set = set()
-        for key_node, value_node in node.value:
-            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
-            kpath = path + (key,)
-            if key in seen:
-                dupes.append(PolicyIssue(source, _fmt_path(kpath), f"duplicate key '{key}'",
-                                         "keep only one entry with this name",
-                                         key_node.start_mark.line + 1, key_node.start_mark.column + 1))
-            seen.add(key)
-            marks[kpath] = (key_node.start_mark.line + 1, key_node.start_mark.column + 1)
-            _index(value_node, kpath, marks, dupes, source, active)
-    elif isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            _index(item, path + (i,), marks, dupes, source, active)
-
-
-# ---------------------------------------------------------------- error reporting
-
-
-def _fmt_path(path: Iterable) -> str:
-    out = ""
-    for part in path:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            out += ("." if out else "") + str(part)
-    return out
-
-
-def _at(source: str, path: tuple, marks: dict, problem: str, fix: str) -> PolicyIssue:
-    line = col = None
-    for n in range(len(path), -1, -1):  # the deepest part of the path that exists in the file
-        if path[:n] in marks:
-            line, col = marks[path[:n]]
-            break
-    return PolicyIssue(source, _fmt_path(path), problem, fix, line, col)
-
-
-def _suggest(word: str, options: Iterable[str]) -> str | None:
-    match = difflib.get_close_matches(str(word), list(options), n=1, cutoff=0.6)
-    return match[0] if match else None
+# ---------------------------------------------------------------- fields a location allows
 
 
 _SECTION_MODELS: dict[str, type[BaseModel]] = {"backends": BackendSpec, "routes": RouteSpec}
@@ -328,133 +232,133 @@ def _model_at(loc: tuple) -> type[BaseModel]:
     return Policy
 
 
-def _allowed_fields(model: type[BaseModel]) -> list[str]:
+def _allowed_fields_at(loc: tuple) -> list[str]:
+    """The fields a user may write in the mapping a pydantic error location points into."""
     hidden = {"name", "version", "source"}
-    return [f for f in model.model_fields if f not in hidden]
-
-
-def _from_pydantic(err: dict, source: str, marks: dict) -> PolicyIssue:
-    loc = tuple(err["loc"])
-    kind = err["type"]
-    value = err.get("input")
-    if kind == "extra_forbidden":
-        allowed = _allowed_fields(_model_at(loc))
-        guess = _suggest(loc[-1], allowed)
-        fix = f"did you mean '{guess}'?" if guess else f"remove it; allowed fields: {', '.join(allowed)}"
-        return _at(source, loc, marks, f"unknown field '{loc[-1]}'", fix)
-    if kind == "missing":
-        what = {"backends": "a `backends:` section", "routes": "a `routes:` section"}.get(loc[-1], f"`{loc[-1]}:`")
-        return _at(source, loc, marks, f"missing required field '{loc[-1]}'", f"add {what}")
-    if kind == "literal_error":
-        expected = re.findall(r"'([^']*)'", err.get("ctx", {}).get("expected", ""))
-        guess = _suggest(str(value), expected)
-        fix = f"use one of: {', '.join(expected)}" + (f" (did you mean '{guess}'?)" if guess else "")
-        return _at(source, loc, marks, f"invalid value {value!r}", fix)
-    if kind in ("dict_type", "model_type") and value is None:
-        return _at(source, loc, marks, "the section is empty", "add entries under it, or remove the key")
-    if kind in ("dict_type", "model_type"):
-        return _at(source, loc, marks, f"expected a mapping of `key: value` lines, got {_typename(value)}",
-                   "indent the fields under this key")
-    if kind == "list_type":
-        return _at(source, loc, marks, f"expected a list, got {_typename(value)}",
-                   f"write it as a list, e.g. [{value}]" if isinstance(value, str) else "write it as [a, b]")
-    msg = err["msg"].removeprefix("Value error, ")
-    return _at(source, loc, marks, f"{msg} (got {value!r})", "change the value to one that fits")
-
-
-def _typename(value: Any) -> str:
-    return {dict: "a mapping", list: "a list", str: "a string", int: "a number", float: "a number",
-            bool: "true/false", type(None): "nothing"}.get(type(value), type(value).__name__)
+    return [f for f in _model_at(loc).model_fields if f not in hidden]
 
 
 # ---------------------------------------------------------------- cross-field checks
 
 
-def _check_references(policy: Policy, source: str, marks: dict) -> list[PolicyIssue]:
-    issues: list[PolicyIssue] = []
-    known = list(policy.backends)
+@dataclass(slots=True)
+class _Report:
+    """The issues found so far, each located in the file."""
 
-    def add(path: tuple, problem: str, fix: str) -> None:
-        issues.append(_at(source, path, marks, problem, fix))
+    policy: Policy
+    source: str
+    marks: Marks
+    issues: list[PolicyIssue] = field(default_factory=list)
 
-    def check_ref(path: tuple, name: str | None) -> bool:
-        if name is None or name in policy.backends:
+    def add(self, path: tuple, problem: str, fix: str) -> None:
+        self.issues.append(issue_at(self.source, path, self.marks, problem, fix))
+
+    def backend_ref(self, path: tuple, name: str | None) -> bool:
+        """Is `name` (if set) a defined backend? If not, report it with the closest known name."""
+        if name is None or name in self.policy.backends:
             return True
-        guess = _suggest(name, known)
+        known = list(self.policy.backends)
+        guess = suggest(name, known)
         fix = (f"did you mean '{guess}'? " if guess else "") + (
             f"known backends: {', '.join(known)}" if known else "define it under `backends:`")
-        add(path, f"unknown backend '{name}'", fix)
+        self.add(path, f"unknown backend '{name}'", fix)
         return False
 
+
+def _check_references(policy: Policy, source: str, marks: Marks) -> list[PolicyIssue]:
+    report = _Report(policy, source, marks)
     if not policy.backends:
-        add(("backends",), "no backends defined", "add at least one backend under `backends:`")
+        report.add(("backends",), "no backends defined", "add at least one backend under `backends:`")
     if not policy.routes:
-        add(("routes",), "no routes defined", "add at least one route under `routes:` (the model clients send)")
-
+        report.add(("routes",), "no routes defined",
+                   "add at least one route under `routes:` (the model clients send)")
     for name, b in policy.backends.items():
-        p = ("backends", name)
-        if b.api_key_env is not None and not _ENV_NAME.match(b.api_key_env):
-            add(p + ("api_key_env",), f"'{b.api_key_env}' is not an environment variable name",
-                "give the variable's name (e.g. OPENAI_API_KEY), never the key itself")
-        if b.api_base is not None and not re.match(r"^https?://", b.api_base):
-            add(p + ("api_base",), f"'{b.api_base}' is not an http(s) URL", "write e.g. http://127.0.0.1:8100/v1")
-        if b.kind == "engine":
-            if b.launch == "embedded" and b.api_base is not None:
-                add(p + ("api_base",), "an embedded engine is started by the gateway and has no api_base",
-                    "remove `api_base:` (or remove `launch: embedded` to use an engine running elsewhere)")
-            if b.launch is None and b.api_base is None:
-                add(p, "an engine backend needs either `launch: embedded` or an `api_base`",
-                    "add `launch: embedded` or `api_base: http://HOST:PORT/v1`")
-            for f in ("input_usd_per_mtok", "output_usd_per_mtok", "cached_input_usd_per_mtok"):
-                if getattr(b, f) is not None:
-                    add(p + (f,), "per-token prices apply to litellm backends; engine cost is GPU-amortised",
-                        "remove it and set `gpu_hour_usd`/`gpus` (or `reserve_usd_per_mtok` for budgets)")
-        else:
-            engine_only = ("launch", "engine_model_path", "engine_port", "reserve_usd_per_mtok")
-            for f in engine_only:
-                if getattr(b, f) is not None:
-                    add(p + (f,), f"'{f}' applies only to engine backends", "remove it, or set `kind: engine`")
-            if b.engine_args:
-                add(p + ("engine_args",), "'engine_args' applies only to engine backends", "remove it")
-            if b.gpu_hour_usd:
-                add(p + ("gpu_hour_usd",), "'gpu_hour_usd' applies only to engine backends",
-                    "remove it; API prices come from litellm (override with input_usd_per_mtok/output_usd_per_mtok)")
-        if b.kind == "engine" and b.engine_model_path is not None and b.launch != "embedded":
-            add(p + ("engine_model_path",), "'engine_model_path' is only used with `launch: embedded`",
-                "remove it, or add `launch: embedded`")
-
+        _check_backend(b, ("backends", name), report.add)
     for name, r in policy.routes.items():
-        p = ("routes", name)
-        if r.strategy == "fixed":
-            if r.backend is None:
-                add(p, "missing required field 'backend'", "add `backend: NAME` (one of the backends)")
-            for f in ("easy", "hard", "threshold", "model_path", "spillover", "idle", "shadow"):
-                if getattr(r, f) is not None:
-                    add(p + (f,), f"'{f}' applies only to `strategy: difficulty`",
-                        "remove it, or set `strategy: difficulty`")
-            if r.budget_downgrade:
-                add(p + ("budget_downgrade",), "'budget_downgrade' applies only to `strategy: difficulty`",
-                    "remove it, or set `strategy: difficulty`")
-        else:
-            for f in ("easy", "hard"):
-                if getattr(r, f) is None:
-                    add(p, f"a difficulty route needs '{f}'", f"add `{f}: BACKEND`")
-                else:
-                    check_ref(p + (f,), getattr(r, f))
-            _check_difficulty_settings(policy, r, p, add)
-        check_ref(p + ("backend",), r.backend)
-        for i, f in enumerate(r.fallbacks):
-            check_ref(p + ("fallbacks", i), f)
-            if f == r.backend:
-                add(p + ("fallbacks", i), f"'{f}' is the route's own backend", "remove it from fallbacks")
-        cf = r.counterfactual
-        if cf is not None and check_ref(p + ("counterfactual",), cf) and policy.backends[cf].kind != "litellm":
-            add(p + ("counterfactual",), f"'{r.counterfactual}' is an engine backend; the counterfactual "
-                    "is what an API would have charged", "name a `kind: litellm` backend")
-    return issues
+        _check_route(policy, r, ("routes", name), report)
+    return report.issues
 
 
-def _check_difficulty_settings(policy: Policy, r: RouteSpec, p: tuple, add) -> None:
+_Add = Callable[[tuple, str, str], None]
+
+
+def _check_backend(b: BackendSpec, p: tuple, add: _Add) -> None:
+    if b.api_key_env is not None and not _ENV_NAME.match(b.api_key_env):
+        add(p + ("api_key_env",), f"'{b.api_key_env}' is not an environment variable name",
+            "give the variable's name (e.g. OPENAI_API_KEY), never the key itself")
+    if b.api_base is not None and not re.match(r"^https?://", b.api_base):
+        add(p + ("api_base",), f"'{b.api_base}' is not an http(s) URL", "write e.g. http://127.0.0.1:8100/v1")
+    if b.kind == "engine":
+        _check_engine_backend(b, p, add)
+    else:
+        _check_litellm_backend(b, p, add)
+    if b.kind == "engine" and b.engine_model_path is not None and b.launch != "embedded":
+        add(p + ("engine_model_path",), "'engine_model_path' is only used with `launch: embedded`",
+            "remove it, or add `launch: embedded`")
+
+
+def _check_engine_backend(b: BackendSpec, p: tuple, add: _Add) -> None:
+    if b.launch == "embedded" and b.api_base is not None:
+        add(p + ("api_base",), "an embedded engine is started by the gateway and has no api_base",
+            "remove `api_base:` (or remove `launch: embedded` to use an engine running elsewhere)")
+    if b.launch is None and b.api_base is None:
+        add(p, "an engine backend needs either `launch: embedded` or an `api_base`",
+            "add `launch: embedded` or `api_base: http://HOST:PORT/v1`")
+    for f in ("input_usd_per_mtok", "output_usd_per_mtok", "cached_input_usd_per_mtok"):
+        if getattr(b, f) is not None:
+            add(p + (f,), "per-token prices apply to litellm backends; engine cost is GPU-amortised",
+                "remove it and set `gpu_hour_usd`/`gpus` (or `reserve_usd_per_mtok` for budgets)")
+
+
+def _check_litellm_backend(b: BackendSpec, p: tuple, add: _Add) -> None:
+    for f in ("launch", "engine_model_path", "engine_port", "reserve_usd_per_mtok"):
+        if getattr(b, f) is not None:
+            add(p + (f,), f"'{f}' applies only to engine backends", "remove it, or set `kind: engine`")
+    if b.engine_args:
+        add(p + ("engine_args",), "'engine_args' applies only to engine backends", "remove it")
+    if b.gpu_hour_usd:
+        add(p + ("gpu_hour_usd",), "'gpu_hour_usd' applies only to engine backends",
+            "remove it; API prices come from litellm (override with input_usd_per_mtok/output_usd_per_mtok)")
+
+
+def _check_route(policy: Policy, r: RouteSpec, p: tuple, report: _Report) -> None:
+    if r.strategy == "fixed":
+        _check_fixed_route(r, p, report.add)
+    else:
+        for f in ("easy", "hard"):
+            if getattr(r, f) is None:
+                report.add(p, f"a difficulty route needs '{f}'", f"add `{f}: BACKEND`")
+            else:
+                report.backend_ref(p + (f,), getattr(r, f))
+        _check_difficulty_settings(policy, r, p, report.add)
+    _check_route_backends(policy, r, p, report)
+
+
+def _check_fixed_route(r: RouteSpec, p: tuple, add: _Add) -> None:
+    if r.backend is None:
+        add(p, "missing required field 'backend'", "add `backend: NAME` (one of the backends)")
+    for f in ("easy", "hard", "threshold", "model_path", "spillover", "idle", "shadow"):
+        if getattr(r, f) is not None:
+            add(p + (f,), f"'{f}' applies only to `strategy: difficulty`", "remove it, or set `strategy: difficulty`")
+    if r.budget_downgrade:
+        add(p + ("budget_downgrade",), "'budget_downgrade' applies only to `strategy: difficulty`",
+            "remove it, or set `strategy: difficulty`")
+
+
+def _check_route_backends(policy: Policy, r: RouteSpec, p: tuple, report: _Report) -> None:
+    """The route's backend, fallbacks and counterfactual must be defined backends (the last an API one)."""
+    report.backend_ref(p + ("backend",), r.backend)
+    for i, f in enumerate(r.fallbacks):
+        report.backend_ref(p + ("fallbacks", i), f)
+        if f == r.backend:
+            report.add(p + ("fallbacks", i), f"'{f}' is the route's own backend", "remove it from fallbacks")
+    cf = r.counterfactual
+    if cf is not None and report.backend_ref(p + ("counterfactual",), cf) and policy.backends[cf].kind != "litellm":
+        report.add(p + ("counterfactual",), f"'{r.counterfactual}' is an engine backend; the counterfactual "
+                   "is what an API would have charged", "name a `kind: litellm` backend")
+
+
+def _check_difficulty_settings(policy: Policy, r: RouteSpec, p: tuple, add: _Add) -> None:
     """spillover/idle read the `easy` engine's load; shadow needs a judge it can call."""
     easy = policy.backends.get(r.easy) if r.easy else None
     for f in ("spillover", "idle"):
@@ -470,26 +374,10 @@ def _check_difficulty_settings(policy: Policy, r: RouteSpec, p: tuple, add) -> N
             f"threshold {r.threshold}; idle relaxation only raises the threshold",
             f"set max_threshold between {r.threshold} and 1")
     if r.shadow is not None and r.shadow.judge != "exact" and r.shadow.judge not in policy.backends:
-        guess = _suggest(r.shadow.judge, list(policy.backends))
+        guess = suggest(r.shadow.judge, list(policy.backends))
         add(p + ("shadow", "judge"), f"unknown judge '{r.shadow.judge}'",
             "use `exact` (compare with the reference the client sends in metadata.reference) or a backend "
             "name" + (f" (did you mean '{guess}'?)" if guess else f": {', '.join(policy.backends)}"))
-
-
-# ---------------------------------------------------------------- CLI
-
-
-def cli_check(args: Any) -> int:
-    """`switchyard policy check FILE`: print a summary and exit 0, or print every problem and exit 1."""
-    try:
-        policy = load_policy(args.file)
-    except PolicyError as e:
-        print(f"ERROR: {e}", file=sys.stderr)
-        return 1
-    print(f"OK: {len(policy.routes)} routes, {len(policy.backends)} backends, version {policy.version}")
-    for warning in policy_warnings(policy):
-        print(f"warning: {warning}")
-    return 0
 
 
 def policy_warnings(policy: Policy) -> list[str]:

@@ -2,7 +2,7 @@
 cost for the in-house engine, the API counterfactual, and the worst-case estimate budgets reserve.
 
 One source of truth: every price comes from `litellm.model_cost`, loaded from the copy bundled with
-litellm (`LITELLM_LOCAL_MODEL_COST_MAP=True`, set by `import gateway`), never fetched at run time.
+litellm (`LITELLM_LOCAL_MODEL_COST_MAP=True`, set in gateway/__init__.py), never fetched at run time.
 """
 from __future__ import annotations
 
@@ -11,8 +11,6 @@ import hashlib
 import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
-
-import gateway  # noqa: F401  (sets LITELLM_LOCAL_MODEL_COST_MAP before litellm is imported)
 
 if TYPE_CHECKING:
     from gateway.backends.base import Usage
@@ -44,10 +42,7 @@ class Cost:
 
 
 def _model_cost() -> dict:
-    import os
-
-    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # in case `gateway` was not imported first
-    import litellm
+    import litellm  # imported lazily (seconds); gateway/__init__.py has already set the no-fetch flag
 
     return litellm.model_cost
 

@@ -1,40 +1,57 @@
 """One OpenAI request end to end: admission, dispatch with fallbacks, streaming relay, accounting."""
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 import anyio
 import orjson
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from gateway import admission, errors, metrics, pricing
-from gateway.backends.base import Completion, UpstreamError, Usage, usage_from_chunk
-from gateway.backends.resilience import complete_with_fallbacks, open_stream_with_fallbacks
-from gateway.budgets import Reservation
-from gateway.keys import KeyInfo
-from gateway.ledger.record import LedgerRecord
-from gateway.policy import BackendSpec, Policy, RouteSpec
-from gateway.routing import decide
-from gateway.shadow import ShadowTicket, answer_text, without_reference
+from gateway.backends.base import Backend, Completion, Endpoint, StreamTally, UpstreamError
+from gateway.backends.resilience import BreakerRegistry, complete_with_fallbacks, open_stream_with_fallbacks
+from gateway.ledger.record import ENDPOINT_NAMES, LedgerRecord
+from gateway.ledger.writer import LedgerWriter
+from gateway.routing import Decision, DifficultyModels, decide
+from gateway.shadow.reference import without_reference
+from gateway.shadow.runner import ShadowRunner, ShadowTicket
+from openai_wire import SSE_DONE, APIError, ClientClosed, answer_text, sse_event, until_disconnect
+from openai_wire.responses import EventStreamResponse, error_response
 
 if TYPE_CHECKING:
-    from gateway.app import Gateway
+    from gateway.auth import Authenticator
+    from gateway.backend_pool import BackendPool
+    from gateway.budgets import BudgetBook, Reservation
+    from gateway.engine_load import EngineLoadMonitor
+    from gateway.keys import KeyInfo
+    from gateway.policy import BackendSpec, Policy, RouteSpec
+    from gateway.policy_store import PolicyStore
+    from gateway.ratelimit import RateLimiter
 
 log = logging.getLogger("switchyard.proxy")
 
-ENDPOINT_NAMES = {"chat": "chat.completions", "completions": "completions"}
 
+@dataclass(slots=True)
+class Services:
+    """What the request path uses, built once in the gateway's lifespan."""
 
-class ClientClosed(Exception):
-    """The client went away before the response was complete."""
+    auth: Authenticator
+    policy_store: PolicyStore
+    models: DifficultyModels
+    load: EngineLoadMonitor
+    limiter: RateLimiter
+    budgets: BudgetBook
+    pool: BackendPool
+    breakers: BreakerRegistry
+    ledger: LedgerWriter
+    shadow: ShadowRunner | None = None
 
 
 @dataclass(slots=True)
@@ -45,53 +62,84 @@ class Call:
     key: KeyInfo
     policy: Policy
     route: RouteSpec
-    body: dict
-    endpoint: str
+    body: dict  # the client's request, as sent
+    endpoint: Endpoint
+    chain: list[str]  # the backends to try, first choice first (routing's decision)
     reservation: Reservation | None
     started: float
-    chunks_with_content: int = 0
-    completion_parts: list[str] = field(default_factory=list)
-    shadow: ShadowTicket | None = None  # sampled for shadow evaluation (gateway/shadow.py)
+    in_flight: metrics.InFlight  # ended when the plain response is ready or the stream's on_end runs
+    shadow: ShadowTicket | None = None  # sampled for shadow evaluation (gateway/shadow/)
 
 
-async def handle(gw: Gateway, request: Request, endpoint: str) -> Response:
+async def handle(services: Services, request: Request, endpoint: Endpoint) -> Response:
     started = time.perf_counter()
     request_id = "req_" + uuid.uuid4().hex
     try:
-        key = await gw.auth.authenticate(request.headers.get("authorization"))
-    except errors.APIError as exc:
+        key = await services.auth.authenticate(request.headers.get("authorization"))
+    except APIError as exc:
         metrics.AUTH_FAILURES.inc()
-        return exc.response()
+        return error_response(exc)
     record = LedgerRecord(request_id=request_id, created_at=datetime.now(UTC), api_key_id=key.id, team=key.team,
                           endpoint=ENDPOINT_NAMES[endpoint])
-    metrics.IN_FLIGHT.inc()
+    in_flight = metrics.InFlight()
+    response: Response | None = None
     try:
-        call = await _admit(gw, request, endpoint, record, key, started)
-    except errors.APIError as exc:
-        metrics.IN_FLIGHT.dec()
-        _log_rejection(gw, record, exc, started)
-        return _with_id(exc.response(), request_id)
-    if call.body.get("stream"):
-        return await _stream(gw, request, call)  # IN_FLIGHT is decremented when the stream ends
-    try:
-        return await _complete(gw, request, call)
-    except Exception:  # a bug must not leak the budget reservation or lose the ledger row
-        log.exception("internal error serving %s", request_id)
-        _finish(gw, call, None, None, status="error", error_type="internal", http_status=500)
-        return _with_id(errors.APIError(500, "Internal gateway error; see the gateway log.", type="api_error",
-                                        code="internal_error").response(), request_id)
+        response = await _serve(services, request, endpoint, record, key, started, in_flight)
+        return response
     finally:
-        metrics.IN_FLIGHT.dec()
+        if not isinstance(response, EventStreamResponse):  # a stream is in flight until its on_end
+            in_flight.end()
 
 
-async def _admit(gw: Gateway, request: Request, endpoint: str, record: LedgerRecord, key: KeyInfo,
-                 started: float) -> Call:
+async def _serve(services: Services, request: Request, endpoint: Endpoint, record: LedgerRecord, key: KeyInfo,
+                 started: float, in_flight: metrics.InFlight) -> Response:
+    try:
+        call = await _admit(services, request, endpoint, record, key, started, in_flight)
+    except APIError as exc:
+        _log_rejection(services, record, exc, started)
+        return _with_id(error_response(exc), record.request_id)
+    if call.body.get("stream"):
+        return await _stream(services, request, call)
+    try:
+        return await _complete(services, request, call)
+    except Exception:  # a bug must not leak the budget reservation or lose the ledger row
+        log.exception("internal error serving %s", record.request_id)
+        _finish(services, call, None, None, status="error", error_type="internal", http_status=500)
+        return _with_id(error_response(APIError(500, "Internal gateway error; see the gateway log.",
+                                                type="api_error", code="internal_error")), record.request_id)
+
+
+# ---------------------------------------------------------------- admission
+
+
+async def _admit(services: Services, request: Request, endpoint: Endpoint, record: LedgerRecord, key: KeyInfo,
+                 started: float, in_flight: metrics.InFlight) -> Call:
+    """Read and route the request, check its key's limits and reserve its worst-case cost (APIError if not)."""
+    body = await _read_body(request, endpoint)
+    policy = services.policy_store.current
+    route, decision = _route(services, policy, body, record)
+    prompt_tokens = admission.estimate_prompt_tokens(body, endpoint)
+    services.limiter.admit(key, prompt_tokens)
+    reservation = await _reserve(services, key, policy, route, decision, body, prompt_tokens, record)
+    if route.log_prompts:
+        record.prompt_text = admission.prompt_text(body, endpoint)
+    shadow = services.shadow.ticket(request_id=record.request_id, route=route, policy=policy, body=body,
+                                    endpoint=endpoint, decision=decision) \
+        if route.shadow is not None and services.shadow is not None else None
+    return Call(record=record, key=key, policy=policy, route=route, body=body, endpoint=endpoint,
+                chain=decision.chain, reservation=reservation, started=started, in_flight=in_flight, shadow=shadow)
+
+
+async def _read_body(request: Request, endpoint: Endpoint) -> dict:
     try:
         body = orjson.loads(await request.body())
     except orjson.JSONDecodeError as exc:
         raise errors.invalid_request(f"The request body is not valid JSON: {exc}.") from None
-    body = admission.validate(body, endpoint)
-    policy = gw.policy_store.current
+    return admission.validate(body, endpoint)
+
+
+def _route(services: Services, policy: Policy, body: dict, record: LedgerRecord) -> tuple[RouteSpec, Decision]:
+    """The route the requested model names, and routing's decision for this request."""
     record.requested_model = body["model"]
     record.policy_version = policy.version
     record.stream = bool(body.get("stream"))
@@ -99,169 +147,136 @@ async def _admit(gw: Gateway, request: Request, endpoint: str, record: LedgerRec
     if route is None:
         raise errors.model_not_found(body["model"], list(policy.routes))
     record.route = route.name
-    decision = decide(route, body, gw)
+    decision = decide(route, body, services.models, services.load)
     record.route_reason, record.difficulty, record.threshold = decision.reason, decision.difficulty, decision.threshold
-    body["_switchyard_chain"] = decision.chain
-    prompt_tokens = admission.estimate_prompt_tokens(body, endpoint)
-    gw.limiter.admit(key, prompt_tokens)
+    return route, decision
+
+
+async def _reserve(services: Services, key: KeyInfo, policy: Policy, route: RouteSpec, decision: Decision,
+                   body: dict, prompt_tokens: int, record: LedgerRecord) -> Reservation | None:
+    """Reserve the chain's worst-case cost; a key that cannot afford it may still afford `easy` alone (routing:
+    `budget_downgrade`, which then narrows decision.chain to easy)."""
+    max_tokens = admission.max_tokens(body)
     specs = [policy.backends[name] for name in decision.chain]
-    estimate = pricing.max_cost_estimate(policy, specs, prompt_tokens, admission.max_tokens(body))
     try:
-        reservation = await gw.budgets.reserve(key, estimate)
-    except errors.APIError as exc:
-        # --- routing (budget): a key that cannot afford the chain may still afford `easy` alone
+        return await services.budgets.reserve(key, pricing.max_cost_estimate(policy, specs, prompt_tokens, max_tokens))
+    except APIError as exc:
         if not (route.budget_downgrade and exc.code == "insufficient_quota" and route.easy
                 and decision.chain != [route.easy]):
             raise
-        easy_estimate = pricing.max_cost_estimate(policy, [policy.backends[route.easy]], prompt_tokens,
-                                                  admission.max_tokens(body))
-        reservation = await gw.budgets.reserve(key, easy_estimate)  # raises the 429 if even that is too much
-        decision.chain = body["_switchyard_chain"] = [route.easy]
-        record.route_reason = "budget"
-    if route.log_prompts:
-        record.prompt_text = admission.prompt_text(body, endpoint)
-    shadow = gw.routing.shadow.ticket(request_id=record.request_id, route=route, policy=policy, body=body,
-                                      endpoint=endpoint, decision=decision) \
-        if route.shadow is not None and gw.routing.shadow is not None else None
-    return Call(record=record, key=key, policy=policy, route=route, body=body, endpoint=endpoint,
-                reservation=reservation, started=started, shadow=shadow)
+    easy_estimate = pricing.max_cost_estimate(policy, [policy.backends[route.easy]], prompt_tokens, max_tokens)
+    reservation = await services.budgets.reserve(key, easy_estimate)  # raises the 429 if even that is too much
+    decision.chain = [route.easy]
+    record.route_reason = "budget"
+    return reservation
+
+
+# ---------------------------------------------------------------- dispatch
 
 
 def _payload(call: Call) -> dict:
-    payload = dict(call.body)
-    payload.pop("_switchyard_chain", None)
-    return without_reference(payload)
+    """What the upstream gets: the client's body less our `metadata.reference` (not copied when absent)."""
+    return without_reference(call.body)
 
 
-async def _complete(gw: Gateway, request: Request, call: Call) -> Response:
-    chain = gw.pool.chain(call.body["_switchyard_chain"])
+async def _complete(services: Services, request: Request, call: Call) -> Response:
+    chain = services.pool.chain(call.chain)
     try:
-        completion, backend, attempts = await _until_disconnect(
-            request, complete_with_fallbacks(chain, _payload(call), call.endpoint, gw.breakers))
+        completion, backend, attempts = await until_disconnect(
+            request.receive, complete_with_fallbacks(chain, _payload(call), call.endpoint, services.breakers))
     except ClientClosed:
-        _finish(gw, call, None, None, status="client_closed", error_type="client_closed")
-        return Response(status_code=499)
+        return _client_closed(services, call)
     except UpstreamError as exc:
-        api_error = _upstream_to_api_error(exc)
         call.record.attempts = max(call.record.attempts, getattr(exc, "attempts", 1))
-        _finish(gw, call, None, None, status="error", error_type=f"upstream_{exc.kind}",
-                http_status=api_error.status)
-        return _with_id(api_error.response(), call.record.request_id)
+        return _upstream_failure(services, call, exc)
     call.record.attempts = attempts
     call.record.ttft_ms = (time.perf_counter() - call.started) * 1000
     body = completion.body
     body.pop("switchyard", None)
-    if call.route.log_prompts:
-        call.completion_parts.append(_completion_text(body))
-    _finish(gw, call, backend.spec, completion)
-    if call.shadow is not None:
-        gw.routing.shadow.submit(call.shadow, backend.name, answer_text(body))
+    answer = answer_text(body) if call.route.log_prompts or call.shadow is not None else None
+    _finish(services, call, backend.spec, completion, answer=answer)
     response = Response(orjson.dumps(body), media_type="application/json")
     response.headers["x-switchyard-backend"] = backend.name
     return _with_id(response, call.record.request_id)
 
 
-async def _stream(gw: Gateway, request: Request, call: Call) -> Response:
-    chain = gw.pool.chain(call.body["_switchyard_chain"])
-    payload = _payload(call)
+async def _stream(services: Services, request: Request, call: Call) -> Response:
+    chain = services.pool.chain(call.chain)
     try:
-        backend, chunks, attempts = await _until_disconnect(
-            request, open_stream_with_fallbacks(chain, payload, call.endpoint, gw.breakers))
+        backend, chunks, attempts = await until_disconnect(
+            request.receive, open_stream_with_fallbacks(chain, _payload(call), call.endpoint, services.breakers))
     except ClientClosed:
-        metrics.IN_FLIGHT.dec()
-        _finish(gw, call, None, None, status="client_closed", error_type="client_closed")
-        return Response(status_code=499)
+        return _client_closed(services, call)
     except UpstreamError as exc:
-        metrics.IN_FLIGHT.dec()
-        api_error = _upstream_to_api_error(exc)
-        _finish(gw, call, None, None, status="error", error_type=f"upstream_{exc.kind}",
-                http_status=api_error.status)
-        return _with_id(api_error.response(), call.record.request_id)
+        return _upstream_failure(services, call, exc)
     call.record.attempts = attempts
-    relay = _Relay(gw, call, backend, chunks)
-    response = _RelayResponse(relay, headers={"cache-control": "no-cache", "x-switchyard-backend": backend.name})
-    return _with_id(response, call.record.request_id)
+    relay = _Relay(services, call, backend, chunks)
+    return EventStreamResponse(relay.body(), on_end=relay.finish,
+                               headers={"x-switchyard-backend": backend.name, "x-request-id": call.record.request_id})
 
 
-class _RelayResponse(StreamingResponse):
-    """An SSE response that always finalises its relay: after a normal end, a send to a client that has
-    gone away (ASGI 2.4 servers raise instead of reporting a disconnect), or a body that never started."""
+def _client_closed(services: Services, call: Call) -> Response:
+    _finish(services, call, None, None, status="client_closed", error_type="client_closed")
+    return Response(status_code=499)
 
-    def __init__(self, relay: _Relay, headers: dict[str, str]) -> None:
-        super().__init__(relay.body(), media_type="text/event-stream", headers=headers)
-        self.relay = relay
 
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self.body_iterator.aclose()  # runs the body's own cleanup if it was suspended
-                await self.relay.finish()  # and covers a body that never started
+def _upstream_failure(services: Services, call: Call, exc: UpstreamError) -> Response:
+    api_error = _upstream_to_api_error(exc)
+    _finish(services, call, None, None, status="error", error_type=f"upstream_{exc.kind}", http_status=api_error.status)
+    return _with_id(error_response(api_error), call.record.request_id)
 
 
 class _Relay:
     """Relays upstream chunks as SSE and accounts for exactly what was produced, however the stream ends."""
 
-    def __init__(self, gw: Gateway, call: Call, backend, chunks: AsyncIterator[dict]) -> None:
-        self.gw, self.call, self.backend, self.chunks = gw, call, backend, chunks
-        self.final = Completion(body={}, usage=Usage())
-        self.saw_usage = False
+    def __init__(self, services: Services, call: Call, backend: Backend, chunks: AsyncIterator[dict]) -> None:
+        self.services, self.call, self.backend, self.chunks = services, call, backend, chunks
+        self.tally = StreamTally(keep_text=call.route.log_prompts or call.shadow is not None)
         self.status, self.error_type = "client_closed", "client_closed"  # until the stream ends normally
         self.finished = False
 
     async def body(self) -> AsyncIterator[bytes]:
-        call, final = self.call, self.final
+        call, tally, record = self.call, self.tally, self.call.record
         wants_usage = admission.wants_usage_chunk(call.body)
         try:
             async for chunk in self.chunks:
-                if call.record.ttft_ms is None:
-                    call.record.ttft_ms = (time.perf_counter() - call.started) * 1000
-                extension = chunk.pop("switchyard", None)
-                if extension:
-                    final.device_seconds = extension.get("device_seconds")
-                    final.utilisation = extension.get("utilisation")
-                usage = usage_from_chunk(chunk)
-                if usage is not None:
-                    final.usage, self.saw_usage = usage, True
-                    if not wants_usage:
-                        chunk.pop("usage", None)
-                        if not chunk.get("choices"):
-                            continue
-                text = _chunk_text(chunk)
-                if text:
-                    call.chunks_with_content += 1
-                    if call.route.log_prompts or call.shadow is not None:
-                        call.completion_parts.append(text)
-                if chunk.get("model") and not call.record.served_model:
-                    call.record.served_model = chunk["model"]
-                yield b"data: " + orjson.dumps(chunk) + b"\n\n"
-            yield b"data: [DONE]\n\n"
+                if record.ttft_ms is None:
+                    record.ttft_ms = (time.perf_counter() - call.started) * 1000
+                tally.observe(chunk)
+                chunk.pop("switchyard", None)
+                if not wants_usage and chunk.get("usage"):  # we asked for it; the client did not
+                    del chunk["usage"]
+                    if not chunk.get("choices"):
+                        continue
+                if chunk.get("model") and not record.served_model:
+                    record.served_model = chunk["model"]
+                yield sse_event(orjson.dumps(chunk))
+            yield SSE_DONE
             self.status, self.error_type = "ok", None
         except UpstreamError as exc:
             self.status, self.error_type = "error", f"upstream_{exc.kind}"
             # Headers are gone; tell the client in-band, the way OpenAI's streams do.
-            yield b"data: " + orjson.dumps(_upstream_to_api_error(exc).body()) + b"\n\n"
+            yield sse_event(orjson.dumps(_upstream_to_api_error(exc).body()))
         finally:
-            await self.finish()
+            await self.finish()  # before the response's last message: the row is queued when the client sees the end
 
     async def finish(self) -> None:
-        """Close the upstream and write the ledger row, once."""
+        """Close the upstream, write the ledger row and end the request's time in flight, once."""
         if self.finished:
             return
         self.finished = True
-        call, final = self.call, self.final
+        call, tally = self.call, self.tally
         with anyio.CancelScope(shield=True):
             await _close(self.chunks)
-        if not self.saw_usage:  # cut short: count what was actually streamed
-            final.usage = Usage(prompt_tokens=admission.estimate_prompt_tokens(call.body, call.endpoint),
-                                completion_tokens=call.chunks_with_content)
-        if self.status == "client_closed" and final.device_seconds is None:
-            final.device_seconds = self.gw.pool.estimate_device_seconds(self.backend.name, final.usage)
-        _finish(self.gw, call, self.backend.spec, final, status=self.status, error_type=self.error_type)
-        if call.shadow is not None and self.status == "ok":
-            self.gw.routing.shadow.submit(call.shadow, self.backend.name, "".join(call.completion_parts))
-        metrics.IN_FLIGHT.dec()
+        # cut short (no usage chunk): count what was actually streamed
+        usage = tally.usage() if tally.complete_usage else tally.usage(
+            admission.estimate_prompt_tokens(call.body, call.endpoint))
+        device_seconds = tally.device_seconds
+        if self.status == "client_closed" and device_seconds is None:
+            device_seconds = self.services.pool.estimate_device_seconds(self.backend.name, usage)
+        _finish(self.services, call, self.backend.spec, Completion({}, usage, device_seconds, tally.utilisation),
+                status=self.status, error_type=self.error_type, answer=tally.text() if tally.parts else None)
+        call.in_flight.end()
 
 
 async def _close(chunks: AsyncIterator[dict]) -> None:
@@ -273,9 +288,14 @@ async def _close(chunks: AsyncIterator[dict]) -> None:
             log.debug("closing upstream stream: %s", exc)
 
 
-def _finish(gw: Gateway, call: Call, spec: BackendSpec | None, completion: Completion | None, *,
-            status: str = "ok", error_type: str | None = None, http_status: int | None = None) -> None:
-    """Price the request, settle its budget and rate limits, record metrics and queue its ledger row."""
+# ---------------------------------------------------------------- accounting
+
+
+def _finish(services: Services, call: Call, spec: BackendSpec | None, completion: Completion | None, *,
+            status: str = "ok", error_type: str | None = None, http_status: int | None = None,
+            answer: str | None = None) -> None:
+    """Price the request, settle its budget and rate limits, record metrics, queue its ledger row and (served
+    and sampled) its shadow job. `answer`: the text produced, for opt-in logging and shadow evaluation."""
     record = call.record
     record.status, record.error_type = status, error_type
     record.http_status = http_status if http_status is not None else (200 if status == "ok" else None)
@@ -283,41 +303,50 @@ def _finish(gw: Gateway, call: Call, spec: BackendSpec | None, completion: Compl
     if spec is not None:
         record.backend = spec.name
         record.served_model = record.served_model or spec.model
-        chain = call.body.get("_switchyard_chain")
-        if chain and spec.name != chain[0]:
+        if call.chain and spec.name != call.chain[0]:
             record.route_reason = "fallback"  # routing: the chain's first choice did not serve it
-    if spec is not None and completion is not None:
-        usage = completion.usage
-        if completion.body.get("model"):
-            record.served_model = completion.body["model"]
-        pricing.charge(record, spec, usage, completion.device_seconds, completion.utilisation, call.policy,
-                       call.route)
-        if spec.kind == "engine" and completion.device_seconds is not None and status == "ok":
-            gw.pool.observe_device_seconds(spec.name, usage, completion.device_seconds)
-        gw.limiter.record_tokens(call.key, usage.prompt_tokens + usage.completion_tokens)
-        metrics.TOKENS.labels(spec.name, "prompt").inc(usage.prompt_tokens)
-        metrics.TOKENS.labels(spec.name, "cached_prompt").inc(usage.cached_prompt_tokens)
-        metrics.TOKENS.labels(spec.name, "completion").inc(usage.completion_tokens)
-        metrics.COST.labels(spec.name, record.cost_basis).inc(record.cost_usd)
-    if call.completion_parts and call.route.log_prompts:
-        record.completion_text = "".join(call.completion_parts)
-    gw.budgets.settle(call.reservation, record.cost_usd)
+        if completion is not None:
+            _charge(services, call, spec, completion, status)
+    if answer is not None and call.route.log_prompts:
+        record.completion_text = answer
+    services.budgets.settle(call.reservation, record.cost_usd)
+    _observe(record, call.route.name, status)
+    services.ledger.submit(record)
+    if call.shadow is not None and services.shadow is not None and spec is not None and status == "ok":
+        services.shadow.submit(call.shadow, spec.name, answer or "")
+
+
+def _charge(services: Services, call: Call, spec: BackendSpec, completion: Completion, status: str) -> None:
+    """Cost, device-time learning, token rate limits and token/cost metrics of a request a backend served."""
+    record, usage = call.record, completion.usage
+    if completion.body.get("model"):
+        record.served_model = completion.body["model"]
+    pricing.charge(record, spec, usage, completion.device_seconds, completion.utilisation, call.policy, call.route)
+    if spec.kind == "engine" and completion.device_seconds is not None and status == "ok":
+        services.pool.observe_device_seconds(spec.name, usage, completion.device_seconds)
+    services.limiter.record_tokens(call.key, usage.prompt_tokens + usage.completion_tokens)
+    metrics.TOKENS.labels(spec.name, "prompt").inc(usage.prompt_tokens)
+    metrics.TOKENS.labels(spec.name, "cached_prompt").inc(usage.cached_prompt_tokens)
+    metrics.TOKENS.labels(spec.name, "completion").inc(usage.completion_tokens)
+    metrics.COST.labels(spec.name, record.cost_basis).inc(record.cost_usd)
+
+
+def _observe(record: LedgerRecord, route: str, status: str) -> None:
     backend_label = record.backend or "none"
-    metrics.REQUESTS.labels(call.route.name, backend_label, status).inc()
-    metrics.LATENCY.labels(call.route.name, backend_label).observe(record.latency_ms / 1000)
+    metrics.REQUESTS.labels(route, backend_label, status).inc()
+    metrics.LATENCY.labels(route, backend_label).observe(record.latency_ms / 1000)
     if record.ttft_ms is not None:
-        metrics.TTFT.labels(call.route.name, backend_label).observe(record.ttft_ms / 1000)
-    gw.writer.submit(record)
+        metrics.TTFT.labels(route, backend_label).observe(record.ttft_ms / 1000)
 
 
-def _log_rejection(gw: Gateway, record: LedgerRecord, exc: errors.APIError, started: float) -> None:
+def _log_rejection(services: Services, record: LedgerRecord, exc: APIError, started: float) -> None:
     record.status, record.error_type, record.http_status = "rejected", exc.code or exc.type, exc.status
     record.latency_ms = (time.perf_counter() - started) * 1000
     metrics.REQUESTS.labels(record.route or "none", "none", "rejected").inc()
-    gw.writer.submit(record)
+    services.ledger.submit(record)
 
 
-def _upstream_to_api_error(exc: UpstreamError) -> errors.APIError:
+def _upstream_to_api_error(exc: UpstreamError) -> APIError:
     detail = str(exc) or exc.kind
     if exc.kind == "timeout":
         return errors.upstream_failed(f"The upstream timed out: {detail}", timeout=True)
@@ -332,59 +361,6 @@ def _upstream_to_api_error(exc: UpstreamError) -> errors.APIError:
     return errors.upstream_failed(f"All backends failed: {detail}")
 
 
-def _chunk_text(chunk: dict) -> str:
-    parts = []
-    for choice in chunk.get("choices") or ():
-        delta = choice.get("delta")
-        if isinstance(delta, dict):
-            parts.append(delta.get("content") or "")
-        elif "text" in choice:
-            parts.append(choice.get("text") or "")
-    return "".join(parts)
-
-
-def _completion_text(body: dict) -> str:
-    choices = body.get("choices") or []
-    if not choices:
-        return ""
-    first = choices[0]
-    message = first.get("message")
-    return (message or {}).get("content") or first.get("text") or ""
-
-
 def _with_id(response: Response, request_id: str) -> Response:
     response.headers["x-request-id"] = request_id
     return response
-
-
-async def _until_disconnect(request: Request, coro):
-    """Await coro in this task, but cancel it (and raise ClientClosed) if the client disconnects first.
-
-    One watcher task per request (not two tasks and an asyncio.wait): this is on the hot path.
-    """
-    task = asyncio.current_task()
-    closed = False
-
-    async def watch() -> None:
-        nonlocal closed
-        await _wait_for_disconnect(request)
-        closed = True
-        task.cancel()
-
-    watcher = asyncio.get_running_loop().create_task(watch())
-    try:
-        return await coro
-    except asyncio.CancelledError:
-        if closed:
-            task.uncancel()
-            raise ClientClosed() from None
-        raise
-    finally:
-        watcher.cancel()
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return

@@ -14,7 +14,7 @@ Reasons written to the ledger's `route_reason` (see docs/router.md, "Routing in 
   no_score         no model loaded (yet) or nothing to score → the route's `backend` (default: hard)
   budget           (set in proxy.py) the key cannot afford hard → easy
   fallback         (set in proxy.py) served by a backend other than the chain's first
-  shadow, shadow_judge  (gateway/shadow.py) mirrored and judge calls of shadow evaluation
+  shadow, shadow_judge  (gateway/shadow/runner.py) mirrored and judge calls of shadow evaluation
 """
 from __future__ import annotations
 
@@ -25,14 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gateway import admission
 from gateway.engine_load import UNKNOWN, EngineLoad, EngineLoadMonitor
 from gateway.policy import IdleSpec, Policy, RouteSpec, SpilloverSpec
 from gateway.tasks import cancel_and_wait, poll_forever
 
 if TYPE_CHECKING:
-    from gateway.app import Gateway
     from gateway.backend_pool import BackendPool
-    from gateway.shadow import ShadowRunner
     from router.model import DifficultyModel
 
 log = logging.getLogger("switchyard.routing")
@@ -99,24 +98,19 @@ def difficulty_chain(route: RouteSpec, hard: bool | None) -> list[str]:
 
 
 def scoring_input(body: dict) -> list | str | None:
-    """What the router scores: the chat messages, or the completions prompt (None for token ids)."""
+    """What the router scores: the chat messages (router/conversation.py reads their text), or the completions
+    prompt as text (None for token ids)."""
     messages = body.get("messages")
     if messages is not None:
         return messages
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        return "\n".join(prompt)
-    return None
+    return admission.completions_prompt_text(body.get("prompt"))
 
 
-def decide(route: RouteSpec, body: dict, gw: Gateway | None = None) -> Decision:
+def decide(route: RouteSpec, body: dict, models: DifficultyModels, load: EngineLoadMonitor) -> Decision:
     """Fixed routes go to their backend, then their fallbacks; difficulty routes are scored."""
     if route.strategy != "difficulty":
         return Decision(chain=route.chain(), reason="fixed")
-    runtime = gw.routing if gw is not None else None
-    model = runtime.models.get(route) if runtime is not None else None
+    model = models.get(route)
     request = scoring_input(body)
     if model is None or request is None:
         return Decision(chain=difficulty_chain(route, None), reason="no_score")
@@ -124,8 +118,8 @@ def decide(route: RouteSpec, body: dict, gw: Gateway | None = None) -> Decision:
     threshold = route.threshold
     if threshold is None:
         threshold = model.default_threshold if model.default_threshold is not None else FALLBACK_THRESHOLD
-    load = runtime.load.get(route.easy) if (route.spillover or route.idle) else UNKNOWN
-    hard, applied, reason = choose(score, threshold, load, route.spillover, route.idle)
+    easy_load = load.get(route.easy) if (route.spillover or route.idle) else UNKNOWN
+    hard, applied, reason = choose(score, threshold, easy_load, route.spillover, route.idle)
     return Decision(chain=difficulty_chain(route, hard), reason=reason, difficulty=score, threshold=applied,
                     model_version=model.version)
 
@@ -218,12 +212,11 @@ class DifficultyModels:
 
 
 class RoutingRuntime:
-    """The routing state the gateway keeps between requests: models, engine load, shadow evaluation."""
+    """The routing state the gateway keeps between requests: the difficulty models and the engine load."""
 
     def __init__(self, models: DifficultyModels | None = None, load: EngineLoadMonitor | None = None) -> None:
         self.models = models or DifficultyModels()
         self.load = load or EngineLoadMonitor()
-        self.shadow: ShadowRunner | None = None
 
     async def apply(self, policy: Policy, pool: BackendPool) -> None:
         """Called when a policy goes live (after the pool synced, so embedded engines have their URLs)."""
@@ -237,7 +230,5 @@ class RoutingRuntime:
         await self.models.sync(policy)
 
     async def aclose(self) -> None:
-        if self.shadow is not None:
-            await self.shadow.aclose()
         await self.models.aclose()
         await self.load.aclose()

@@ -25,7 +25,3 @@ def database_url(cli_value: str | None = None) -> str:
 
 def master_key() -> str | None:
     return os.environ.get("SWITCHYARD_MASTER_KEY") or None
-
-
-def load_dotenv_defaults() -> None:
-    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")

@@ -1,17 +1,15 @@
-"""Pick a routing threshold from labelled data, and write it into a policy route.
+"""Pick a routing threshold from labelled data (a target strong-call share, or a budget).
 
 Convention (shared with the gateway): a request goes to the strong (`hard`) backend iff
-score >= threshold.
+score >= threshold. Writing the threshold into a policy file is the gateway's job
+(gateway/policy_edit.py); `switchyard router calibrate --write` receives it by injection.
 """
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
-import yaml
 
 
 class CalibrationError(ValueError):
@@ -78,95 +76,3 @@ def policy_snippet(threshold: float, model_path: str) -> str:
     return (f"strategy: difficulty\n"
             f"threshold: {threshold:.6f}\n"
             f"model_path: {json.dumps(model_path)}\n")
-
-
-# ---- editing a policy file in place ---------------------------------------------------------
-
-def _mapping_get(node: yaml.MappingNode, key: str) -> tuple[yaml.Node, yaml.Node] | None:
-    for k, v in node.value:
-        if isinstance(k, yaml.ScalarNode) and k.value == key:
-            return k, v
-    return None
-
-
-def write_route(policy_path: str | Path, route: str, threshold: float, model_path: str) -> str:
-    """Set `threshold` and `model_path` of a difficulty route with targeted text edits, so
-    comments and layout survive; validate the result; replace the file atomically. Returns the
-    new text. On any problem raises CalibrationError and leaves the file as it was."""
-    path = Path(policy_path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise CalibrationError(f"{path}: cannot read the policy ({e.strerror or e})") from e
-    try:
-        root = yaml.compose(text)
-    except yaml.YAMLError as e:
-        raise CalibrationError(f"{path}: not valid YAML ({e}); fix it before calibrating into it") from e
-    if not isinstance(root, yaml.MappingNode) or _mapping_get(root, "routes") is None:
-        raise CalibrationError(f"{path}: no `routes:` section; add the route first")
-    routes = _mapping_get(root, "routes")[1]
-    if not isinstance(routes, yaml.MappingNode):
-        raise CalibrationError(f"{path}: `routes:` must be a mapping of route names")
-    found = _mapping_get(routes, route)
-    if found is None:
-        names = ", ".join(k.value for k, _ in routes.value) or "none"
-        raise CalibrationError(f"{path}: no route {route!r} (routes: {names})")
-    node = found[1]
-    if not isinstance(node, yaml.MappingNode) or node.flow_style or not node.value:
-        raise CalibrationError(f"{path}: route {route!r} must be a block mapping to be edited; edit it by hand")
-    strategy = _mapping_get(node, "strategy")
-    if strategy is None or strategy[1].value != "difficulty":
-        raise CalibrationError(f"{path}: route {route!r} is not `strategy: difficulty`; set the strategy "
-                               f"and its `easy:` and `hard:` backends first")
-
-    edits: list[tuple[int, int, str]] = []  # (start, end, replacement) on the original text
-    indent = node.value[0][0].start_mark.column
-    missing: list[str] = []
-    for key, value in (("threshold", f"{threshold:.6f}"), ("model_path", json.dumps(model_path))):
-        kv = _mapping_get(node, key)
-        if kv is None:
-            missing.append(f"{' ' * indent}{key}: {value}\n")
-        elif isinstance(kv[1], yaml.ScalarNode):
-            edits.append((kv[1].start_mark.index, kv[1].end_mark.index, value))
-        else:
-            raise CalibrationError(f"{path}: routes.{route}.{key} is not a plain value; edit it by hand")
-    if missing:
-        last_end = node.value[-1][1].end_mark
-        # Insert on the line after the route's last value. A block collection "ends" where the
-        # next token starts (maybe indented on a later line): then insert before that line.
-        line_start = last_end.index - last_end.column
-        if not text[line_start:last_end.index].strip():
-            pos = line_start
-        else:
-            nl = text.find("\n", last_end.index)
-            pos = len(text) if nl < 0 else nl + 1
-        prefix = "" if pos == 0 or text[pos - 1] == "\n" else "\n"
-        edits.append((pos, pos, prefix + "".join(missing)))
-    new = text
-    for start, end, rep in sorted(edits, key=lambda e: e[0], reverse=True):
-        new = new[:start] + rep + new[end:]
-
-    _validate(new, path, route, threshold, model_path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(new, encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return new
-
-
-def _validate(text: str, path: Path, route: str, threshold: float, model_path: str) -> None:
-    doc = yaml.safe_load(text)
-    got = doc["routes"][route]
-    if abs(float(got["threshold"]) - threshold) > 1e-6 or got["model_path"] != model_path:
-        raise CalibrationError(f"{path}: internal error: the edit did not produce the expected values; "
-                               f"file left unchanged")
-    try:
-        from gateway.policy import PolicyError, parse_policy
-    except ImportError:  # a router-only install: the YAML check above is all we can do
-        return
-    try:
-        parse_policy(text, str(path))
-    except PolicyError as e:
-        raise CalibrationError(f"{path}: the edited policy would not validate, file left unchanged:\n{e}") from e

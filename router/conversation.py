@@ -2,11 +2,14 @@
 
 Scoring must never fail on a request the gateway accepted, so this is lenient: unknown roles,
 content-part lists (text parts are kept, images and audio are counted but have no text), None
-content (tool calls) and stray non-dict items are all tolerated.
+content (tool calls) and stray non-dict items are all tolerated. What counts as a message's text is
+`openai_wire.content_text`, the rule the gateway uses too.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from openai_wire import content_text, is_text_part
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,24 +23,11 @@ class Conversation:
     n_non_text_parts: int  # images, audio, files
 
 
-def _content_text(content: object) -> tuple[str, int]:
-    if content is None:
-        return "", 0
-    if isinstance(content, str):
-        return content, 0
-    if isinstance(content, list):
-        texts: list[str] = []
-        other = 0
-        for part in content:
-            if isinstance(part, dict):
-                if part.get("type") in (None, "text") and isinstance(part.get("text"), str):
-                    texts.append(part["text"])
-                else:
-                    other += 1
-            elif isinstance(part, str):
-                texts.append(part)
-        return "\n".join(texts), other
-    return str(content), 0
+def _non_text_parts(content: object) -> int:
+    """Images, audio and files in a content-part list (the text rule itself is openai_wire's)."""
+    if not isinstance(content, list):
+        return 0
+    return sum(1 for part in content if isinstance(part, dict) and not is_text_part(part))
 
 
 def parse(request: list[dict] | str) -> Conversation:
@@ -50,8 +40,9 @@ def parse(request: list[dict] | str) -> Conversation:
         if not isinstance(m, dict):
             continue
         role = str(m.get("role", "user"))
-        text, n_other = _content_text(m.get("content"))
-        other += n_other
+        content = m.get("content")
+        text = content_text(content)
+        other += _non_text_parts(content)
         if role == "user":
             n_user += 1
         elif role == "assistant":

@@ -6,6 +6,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from openai_wire import chunk_text
+
 if TYPE_CHECKING:
     from gateway.policy import BackendSpec
 
@@ -89,6 +91,12 @@ def engine_stats(body: dict) -> tuple[float | None, float | None]:
     return (float(ds) if ds is not None else None, float(ut) if ut is not None else None)
 
 
+def requesting_usage(stream_options: object) -> dict:
+    """A stream's `stream_options` with `include_usage` forced on: every backend needs the final usage chunk
+    to account for the request (the relay drops it again for clients that did not ask for it)."""
+    return {**stream_options, "include_usage": True} if isinstance(stream_options, dict) else {"include_usage": True}
+
+
 class StreamTally:
     """Follows a stream's chunks: the final usage and engine figures, or a count of what was produced.
 
@@ -109,16 +117,14 @@ class StreamTally:
 
     def observe(self, chunk: dict) -> None:
         self.chunks += 1
-        for choice in chunk.get("choices") or ():
-            delta = choice.get("delta")
-            text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
-            if text:
-                self.content_chunks += 1
-                if self.keep_text:
-                    self.parts.append(text)
+        text = chunk_text(chunk)
+        if text:
+            self.content_chunks += 1
+            if self.keep_text:
+                self.parts.append(text)
         if chunk.get("usage"):
             self._usage = usage_from_dict(chunk["usage"])
-        if "switchyard" in chunk:
+        if chunk.get("switchyard"):
             self.device_seconds, self.utilisation = engine_stats(chunk)
 
     @property

@@ -26,6 +26,7 @@ from gateway.backends.base import (
     Usage,
     engine_stats,
     is_retryable_status,
+    requesting_usage,
     usage_from_dict,
 )
 
@@ -70,9 +71,7 @@ class EngineBackend(Backend):
         body["model"] = self.spec.model
         if stream:
             body["stream"] = True
-            opts = payload.get("stream_options")
-            body["stream_options"] = {**opts, "include_usage": True} if isinstance(opts, dict) else {
-                "include_usage": True}
+            body["stream_options"] = requesting_usage(payload.get("stream_options"))
         else:
             body.pop("stream", None)
             body.pop("stream_options", None)  # only valid with stream: true

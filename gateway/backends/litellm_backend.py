@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import httpx
+import litellm  # gateway/__init__.py has set LITELLM_LOCAL_MODEL_COST_MAP: no price-map fetch
 
 from gateway.backends.base import (
     Backend,
@@ -20,15 +21,13 @@ from gateway.backends.base import (
     UpstreamError,
     Usage,
     is_retryable_status,
+    requesting_usage,
     usage_from_dict,
 )
 from gateway.backends.engine_backend import parse_retry_after
 
 if TYPE_CHECKING:
     from gateway.policy import BackendSpec
-
-os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # never fetch the price map
-import litellm
 
 litellm.suppress_debug_info = True
 litellm.telemetry = False
@@ -83,9 +82,7 @@ class LiteLLMBackend(Backend):
     async def stream(self, payload: dict, endpoint: Endpoint) -> AsyncIterator[dict]:
         kwargs = self._kwargs(payload)
         kwargs["stream"] = True
-        opts = payload.get("stream_options")
-        kwargs["stream_options"] = {**opts, "include_usage": True} if isinstance(opts, dict) else {
-            "include_usage": True}
+        kwargs["stream_options"] = requesting_usage(payload.get("stream_options"))
         wrapper = await self._call(kwargs, endpoint)
         try:
             async for chunk in wrapper:
@@ -169,4 +166,7 @@ async def stop_litellm_workers() -> None:
     """
     from litellm.litellm_core_utils.logging_worker import GLOBAL_LOGGING_WORKER
 
-    await GLOBAL_LOGGING_WORKER.stop(discard_pending=True, timeout=2.0)
+    try:
+        await GLOBAL_LOGGING_WORKER.stop(discard_pending=True, timeout=2.0)
+    except RuntimeError as exc:  # started on an earlier event loop that is closed now (tests): nothing to stop
+        logging.getLogger("switchyard.backends").debug("litellm logging worker: %s", exc)

@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from enum import IntEnum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from gateway.backends.base import Backend, Completion, Endpoint, UpstreamError
 
@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 
 MAX_RETRY_AFTER_S = 2.0  # honour an upstream's Retry-After up to this; longer → move on to the next backend
 MAX_BACKOFF_S = 5.0
+
+T = TypeVar("T")
 
 
 class BreakerState(IntEnum):  # values are what /metrics exports
@@ -138,9 +140,12 @@ def _all_unavailable(chain: list[Backend], attempts: int) -> UpstreamError:
     return err
 
 
-async def complete_with_fallbacks(chain: list[Backend], payload: dict, endpoint: Endpoint,
-                                  breakers: BreakerRegistry) -> tuple[Completion, Backend, int]:
-    """(completion, the backend that served it, attempts made). Raises the last UpstreamError if all fail."""
+async def _with_fallbacks(chain: list[Backend], breakers: BreakerRegistry,
+                          attempt: Callable[[Backend], Awaitable[T]]) -> tuple[T, Backend, int]:
+    """The one retry/fallback loop: `attempt(backend)` makes one try at one backend.
+
+    Returns (its result, the backend that gave it, attempts made); raises the last UpstreamError if all fail.
+    """
     attempts = 0
     last: UpstreamError | None = None
     for backend in chain:
@@ -151,7 +156,7 @@ async def complete_with_fallbacks(chain: list[Backend], payload: dict, endpoint:
         while True:
             attempts += 1
             try:
-                result = await backend.complete(payload, endpoint)
+                result = await attempt(backend)
             except UpstreamError as e:
                 e.backend = e.backend or backend.name
                 e.attempts = attempts
@@ -160,12 +165,9 @@ async def complete_with_fallbacks(chain: list[Backend], payload: dict, endpoint:
                     raise
                 breaker.record_failure()
                 last = e
-                if not e.retryable:
-                    break  # bad key or model name at this backend: try the next one
-                delay = None if retry >= backend.spec.max_retries or not breaker.accepting else backoff_delay(
-                    backend.spec, retry, e.retry_after)
+                delay = _retry_delay(backend.spec, breaker, e, retry)
                 if delay is None:
-                    break
+                    break  # this backend is done with: try the next one
                 retry += 1
                 await asyncio.sleep(delay)
                 continue
@@ -178,6 +180,20 @@ async def complete_with_fallbacks(chain: list[Backend], payload: dict, endpoint:
         raise _all_unavailable(chain, attempts)
     last.attempts = attempts
     raise last
+
+
+def _retry_delay(spec: BackendSpec, breaker: CircuitBreaker, e: UpstreamError, retry: int) -> float | None:
+    """Seconds before trying the same backend again after `e`; None: move on (bad key or model name, retries
+    used up, or the breaker has opened)."""
+    if not e.retryable or retry >= spec.max_retries or not breaker.accepting:
+        return None
+    return backoff_delay(spec, retry, e.retry_after)
+
+
+async def complete_with_fallbacks(chain: list[Backend], payload: dict, endpoint: Endpoint,
+                                  breakers: BreakerRegistry) -> tuple[Completion, Backend, int]:
+    """(completion, the backend that served it, attempts made). Raises the last UpstreamError if all fail."""
+    return await _with_fallbacks(chain, breakers, lambda backend: backend.complete(payload, endpoint))
 
 
 class FallbackStream:
@@ -219,47 +235,21 @@ async def open_stream_with_fallbacks(chain: list[Backend], payload: dict, endpoi
 
     Returns (backend, stream, attempts); the caller must `aclose()` the stream when done or on disconnect.
     """
-    attempts = 0
-    last: UpstreamError | None = None
-    for backend in chain:
-        breaker = breakers.get(backend.spec)
-        if not breaker.allow():
-            continue
-        retry = 0
-        while True:
-            attempts += 1
-            inner = backend.stream(payload, endpoint)
-            try:
-                try:
-                    first = await inner.__anext__()
-                except StopAsyncIteration:
-                    raise UpstreamError(f"{backend.name}: stream ended before its first chunk", kind="protocol",
-                                        retryable=True, backend=backend.name) from None
-            except UpstreamError as e:
-                await inner.aclose()  # type: ignore[attr-defined]
-                e.backend = e.backend or backend.name
-                e.attempts = attempts
-                if not e.fallback:
-                    breaker.record_success()
-                    raise
-                breaker.record_failure()
-                last = e
-                if not e.retryable:
-                    break
-                delay = None if retry >= backend.spec.max_retries or not breaker.accepting else backoff_delay(
-                    backend.spec, retry, e.retry_after)
-                if delay is None:
-                    break
-                retry += 1
-                await asyncio.sleep(delay)
-                continue
-            except BaseException:
-                breaker.release()
-                await inner.aclose()  # type: ignore[attr-defined]
-                raise
-            breaker.record_success()
-            return backend, FallbackStream(first, inner, breaker), attempts
-    if last is None:
-        raise _all_unavailable(chain, attempts)
-    last.attempts = attempts
-    raise last
+    (first, inner), backend, attempts = await _with_fallbacks(
+        chain, breakers, lambda backend: _first_chunk(backend, payload, endpoint))
+    return backend, FallbackStream(first, inner, breakers[backend.name]), attempts
+
+
+async def _first_chunk(backend: Backend, payload: dict, endpoint: Endpoint) -> tuple[dict, AsyncIterator[dict]]:
+    """One stream attempt: open the stream and read its first chunk (the stream is closed if that fails)."""
+    inner = backend.stream(payload, endpoint)
+    try:
+        try:
+            first = await inner.__anext__()
+        except StopAsyncIteration:
+            raise UpstreamError(f"{backend.name}: stream ended before its first chunk", kind="protocol",
+                                retryable=True, backend=backend.name) from None
+    except BaseException:
+        await inner.aclose()  # type: ignore[attr-defined]
+        raise
+    return first, inner

@@ -1,4 +1,5 @@
-"""LedgerRecord: one request's ledger row, filled in by the gateway as the request progresses."""
+"""The rows the ledger writer takes: LedgerRecord (one request, filled in as it progresses) and ShadowRecord
+(one shadow evaluation), with their spool-file conversions."""
 from __future__ import annotations
 
 import functools
@@ -6,9 +7,12 @@ from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from typing import Any
 
+# The ledger's `endpoint` column for each endpoint the gateway serves.
+ENDPOINT_NAMES = {"chat": "chat.completions", "completions": "completions"}
+
 
 class SpoolRecord:
-    """Row conversions shared by the rows the ledger writer handles (LedgerRecord, shadow.ShadowRecord): a
+    """Row conversions shared by the rows the ledger writer handles (LedgerRecord, ShadowRecord): a
     slots dataclass whose fields are its table's columns, with a `created_at` datetime (naive = UTC)."""
 
     __slots__ = ()
@@ -84,6 +88,31 @@ class LedgerRecord(SpoolRecord):
     route_reason: str | None = None
     prompt_text: str | None = None
     completion_text: str | None = None
+
+
+@dataclass(slots=True)
+class ShadowRecord(SpoolRecord):
+    """Mirrors ShadowEvalRow (all columns but the autoincrement id). The router's column names: weak_* is the
+    route's easy backend, strong_* its hard one (gateway/shadow/runner.py maps them, in one place)."""
+
+    request_id: str
+    created_at: datetime
+    route: str
+    endpoint: str
+    prompt_text: str
+    messages_json: str | None
+    easy_backend: str
+    hard_backend: str
+    served_backend: str
+    weak_answer: str | None
+    strong_answer: str | None
+    weak_correct: bool
+    strong_correct: bool
+    judge: str
+    difficulty: float | None = None
+    threshold: float | None = None
+    model_version: str | None = None
+    policy_version: str | None = None
 
 
 def _utc(value: datetime) -> datetime:

@@ -27,15 +27,15 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from prometheus_client import Counter, Gauge, Histogram
+from sqlalchemy import Table, text
 from sqlalchemy import exc as sa_exc
-from sqlalchemy import text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.sql.dml import Insert
 
 from gateway.db import async_url, create_engine
-from gateway.ledger.models import RequestRow
-from gateway.ledger.record import LedgerRecord
+from gateway.ledger.models import RequestRow, ShadowEvalRow
+from gateway.ledger.record import LedgerRecord, ShadowRecord, SpoolRecord
 
 log = logging.getLogger("switchyard.ledger")
 
@@ -50,11 +50,8 @@ QUEUE_DEPTH = Gauge("switchyard_ledger_queue_depth", "Ledger rows waiting in mem
 BATCH_SECONDS = Histogram("switchyard_ledger_batch_write_seconds", "Time to write one batch to the database",
                           buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
 
-_TABLE = RequestRow.__table__
-
-
-def _insert_statement(dialect: str) -> Insert:
-    """INSERT into requests that skips rows whose request_id is already there (replays are idempotent).
+def _insert_statement(table: Table, dialect: str) -> Insert:
+    """INSERT into `table` that skips rows whose request_id is already there (replays are idempotent).
 
     Executed with a list of rows, SQLAlchemy renders this one cached statement as a single multi-row
     `INSERT … VALUES (…), (…) ON CONFLICT DO NOTHING RETURNING request_id` ("insertmanyvalues"), so no
@@ -62,12 +59,12 @@ def _insert_statement(dialect: str) -> Insert:
     it also tells how many rows were new (SQLite ≥ 3.35 supports it).
     """
     if dialect == "postgresql":
-        stmt = postgresql.insert(_TABLE).on_conflict_do_nothing(index_elements=["request_id"])
+        stmt = postgresql.insert(table).on_conflict_do_nothing(index_elements=["request_id"])
     elif dialect == "sqlite":
-        stmt = sqlite.insert(_TABLE).on_conflict_do_nothing(index_elements=["request_id"])
+        stmt = sqlite.insert(table).on_conflict_do_nothing(index_elements=["request_id"])
     else:
         raise RuntimeError(f"unsupported ledger database dialect: {dialect} (use SQLite or PostgreSQL)")
-    return stmt.returning(_TABLE.c.request_id)
+    return stmt.returning(table.c.request_id)
 
 
 @dataclass(slots=True)
@@ -101,8 +98,9 @@ def _fsync_dir(path: Path) -> None:
 
 
 class LedgerWriter:
-    # What the spool's JSON lines are read back as (a subclass writing another table sets its own).
-    record_type: type = LedgerRecord
+    # The table it writes and what the spool's JSON lines are read back as (ShadowEvalWriter sets its own).
+    table: Table = RequestRow.__table__
+    record_type: type[SpoolRecord] = LedgerRecord
 
     def __init__(self, database_url: str, spool_path: Path, *, max_queue: int = 10_000,
                  batch_size: int = 256, flush_interval_s: float = 0.2,
@@ -166,7 +164,7 @@ class LedgerWriter:
             # A hung statement must not stall the ledger forever: it fails, and the batch is spooled.
             engine_kwargs["connect_args"] = {"command_timeout": 30}
         self._engine = create_engine(self.database_url, **engine_kwargs)
-        self._insert = _insert_statement(self._engine.dialect.name)
+        self._insert = _insert_statement(self.table, self._engine.dialect.name)
         self._task = asyncio.create_task(self._run(), name="ledger-writer")
 
     def submit(self, record: LedgerRecord) -> None:
@@ -581,3 +579,13 @@ class LedgerWriter:
     def _finish_replay(self, path: Path) -> None:
         path.unlink()
         _fsync_dir(path.parent)
+
+
+class ShadowEvalWriter(LedgerWriter):
+    """The same queue, batching, spool and replay, writing `shadow_evals` (give it its own spool file).
+
+    Its Prometheus series (switchyard_ledger_rows_*) count these rows together with the ledger's.
+    """
+
+    table = ShadowEvalRow.__table__
+    record_type = ShadowRecord

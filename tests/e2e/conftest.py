@@ -89,7 +89,7 @@ def run_gateway(policy_text: str, tmp_path: Path, database_url: str | None = Non
 
 @pytest.fixture
 def standin():
-    from gateway.standin import run_standin
+    from gateway.testing.standin import run_standin
 
     with run_standin(engine_extension=True) as base_url:
         yield base_url

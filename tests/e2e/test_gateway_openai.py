@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.standin import standin_control
+from gateway.testing.standin import standin_control
 from tests.e2e.conftest import MASTER_KEY, free_port, ledger_rows, run_gateway
 
 POLICY = """

@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.standin import standin_control, standin_stats
+from gateway.testing.standin import standin_control, standin_stats
 from tests.e2e.conftest import MASTER_KEY, ledger_rows, run_gateway
 
 POLICY = """

@@ -14,7 +14,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from gateway.standin import run_standin
+from gateway.testing.standin import run_standin
 from router.model import DifficultyModel
 from router.train import train_default_model
 from tests.e2e.conftest import MASTER_KEY, ledger_rows, run_gateway

@@ -21,8 +21,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from gateway.shadow import SHADOW_EVENTS
-from gateway.standin import run_standin, standin_stats
+from gateway.shadow.runner import SHADOW_EVENTS
+from gateway.testing.standin import run_standin, standin_stats
 from router.model import DifficultyModel
 from router.train import train_default_model
 from tests.e2e.conftest import MASTER_KEY, free_port, ledger_rows, run_gateway
@@ -124,8 +124,8 @@ def gateway(judge, model_and_threshold, tmp_path, monkeypatch):
 def settle(gateway) -> None:
     """Wait for the shadow workers, then make every row durable."""
     gw = gateway.gw
-    gateway.call(gw.routing.shadow.drain)
-    gateway.call(gw.routing.shadow.writer.flush)
+    gateway.call(gw.shadow.drain)
+    gateway.call(gw.shadow.writer.flush)
     gateway.call(gw.writer.flush)
 
 

@@ -10,7 +10,7 @@ import pytest
 from gateway.backends import StreamTally, UpstreamError, Usage, build_backend, usage_from_chunk
 from gateway.backends.base import engine_stats
 from gateway.policy import BackendSpec
-from gateway.standin import run_standin, standin_control, standin_stats
+from gateway.testing.standin import run_standin, standin_control, standin_stats
 
 CHAT = {"model": "ignored", "messages": [{"role": "user", "content": "one two three four"}], "max_tokens": 5}
 TEXT = {"model": "ignored", "prompt": "alpha beta gamma", "max_tokens": 4}

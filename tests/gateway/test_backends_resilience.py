@@ -19,7 +19,7 @@ from gateway.backends import (
 )
 from gateway.backends.resilience import backoff_delay
 from gateway.policy import BackendSpec
-from gateway.standin import run_standin, standin_control, standin_stats
+from gateway.testing.standin import run_standin, standin_control, standin_stats
 
 CHAT = {"model": "x", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3}
 

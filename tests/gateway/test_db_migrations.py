@@ -14,6 +14,7 @@ from sqlalchemy import create_engine as create_sync_engine
 from sqlalchemy import inspect, text
 
 from gateway import db
+from gateway.cli_handlers import db_upgrade as cli_upgrade
 from gateway.ledger.models import Base
 from gateway.ledger.views import ALL_COLUMNS, STABLE_COLUMNS
 
@@ -114,14 +115,14 @@ def test_cli_upgrade_in_process_uses_settings(tmp_path: Path, monkeypatch: pytes
                                               capsys: pytest.CaptureFixture[str]) -> None:
     url = f"sqlite:///{tmp_path / 'env.db'}"
     monkeypatch.setenv("SWITCHYARD_DATABASE_URL", url)
-    assert db.cli_upgrade(argparse.Namespace(database_url=None)) == 0
+    assert cli_upgrade(argparse.Namespace(database_url=None)) == 0
     assert db.current_revision(url) == db.head_revision()
     assert "head" in capsys.readouterr().out
 
 
 def test_cli_upgrade_reports_failure(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bad = "postgresql://nobody@127.0.0.1:1/nowhere"  # nothing listens on port 1
-    assert db.cli_upgrade(argparse.Namespace(database_url=bad)) == 1
+    assert cli_upgrade(argparse.Namespace(database_url=bad)) == 1
     assert "switchyard db upgrade: failed" in capsys.readouterr().err
 
 

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.policy import PolicyError, cli_check, load_policy, parse_policy
+from gateway.cli_handlers import policy_check as cli_check
+from gateway.policy import PolicyError, load_policy, parse_policy
 
 ROOT = Path(__file__).resolve().parents[2]
 POLICY_FILES = sorted((ROOT / "policies").rglob("*.yaml"))

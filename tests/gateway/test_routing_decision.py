@@ -174,40 +174,35 @@ def tiny_model(path: Path, hard_word: str = "prove", inverted: bool = False) -> 
     return DifficultyModel.load(path)
 
 
-class FakeGateway:
-    def __init__(self, runtime: RoutingRuntime) -> None:
-        self.routing = runtime
-
-
 async def test_decide_scores_chat_and_completions_and_reloads_a_changed_file(tmp_path: Path) -> None:
     path = tmp_path / "m.npz"
     tiny_model(path)
     policy = parse_policy(POLICY.replace("MODEL", str(path)), "p.yaml")
     route = policy.routes["assistant"]
     runtime = RoutingRuntime()
-    gw = FakeGateway(runtime)
-    assert decide(route, {"messages": [{"role": "user", "content": "hi"}]}, gw).reason == "no_score"
+    models, load = runtime.models, runtime.load
+    assert decide(route, {"messages": [{"role": "user", "content": "hi"}]}, models, load).reason == "no_score"
     await runtime.models.sync(policy)
     try:
-        hard = decide(route, {"messages": [{"role": "user", "content": "prove the statement number 3"}]}, gw)
-        easy = decide(route, {"prompt": "say hi 3"}, gw)
+        hard = decide(route, {"messages": [{"role": "user", "content": "prove the statement number 3"}]}, models, load)
+        easy = decide(route, {"prompt": "say hi 3"}, models, load)
         assert (hard.reason, hard.chain, hard.threshold) == ("difficulty_hard", ["mini", "spare", "local"], 0.5)
         assert (easy.reason, easy.chain) == ("difficulty_easy", ["local", "spare", "mini"])
         assert hard.difficulty >= 0.5 > easy.difficulty
         assert hard.model_version == DifficultyModel.load(path).version
-        assert decide(route, {"prompt": [1, 2, 3]}, gw).reason == "no_score"  # token ids: nothing to read
+        assert decide(route, {"prompt": [1, 2, 3]}, models, load).reason == "no_score"  # token ids: nothing to read
         # A retrained model replaces the file: the watcher's check picks it up.
         old_version = hard.model_version
         tiny_model(path, inverted=True)
         st = os.stat(path)
         os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
         await runtime.models.check_now()
-        again = decide(route, {"messages": [{"role": "user", "content": "prove the statement number 3"}]}, gw)
+        again = decide(route, {"messages": [{"role": "user", "content": "prove the statement number 3"}]}, models, load)
         assert again.model_version != old_version and again.reason == "difficulty_easy"
         # A broken file keeps the last good model.
         path.write_bytes(b"not a model")
         await runtime.models.check_now()
-        assert decide(route, {"prompt": "say hi 3"}, gw).model_version == again.model_version
+        assert decide(route, {"prompt": "say hi 3"}, models, load).model_version == again.model_version
     finally:
         await runtime.aclose()
 
@@ -215,8 +210,9 @@ async def test_decide_scores_chat_and_completions_and_reloads_a_changed_file(tmp
 async def test_missing_model_routes_to_backend_and_default_model_loads_in_a_thread(tmp_path, monkeypatch) -> None:
     policy = parse_policy(POLICY.replace("MODEL", str(tmp_path / "absent.npz")), "p.yaml")
     runtime = RoutingRuntime()
+    models, load = runtime.models, runtime.load
     await runtime.models.sync(policy)
-    d = decide(policy.routes["assistant"], {"prompt": "prove it"}, FakeGateway(runtime))
+    d = decide(policy.routes["assistant"], {"prompt": "prove it"}, models, load)
     assert (d.reason, d.chain) == ("no_score", ["mini", "spare", "local"])  # backend defaults to hard
     # No model_path: the project's default model, trained into the data dir on first use, off the loop.
     monkeypatch.setenv("SWITCHYARD_DATA_DIR", str(tmp_path / "data"))
@@ -235,7 +231,7 @@ async def test_missing_model_routes_to_backend_and_default_model_loads_in_a_thre
     tick.cancel()
     assert beats > 0  # the loop kept running while the model trained
     assert list((tmp_path / "data" / "router").glob("default-*.npz"))
-    d = decide(default_policy.routes["assistant"], {"prompt": "hi"}, FakeGateway(runtime))
+    d = decide(default_policy.routes["assistant"], {"prompt": "hi"}, models, load)
     assert d.reason == "difficulty_easy" and d.difficulty < 0.5
     await runtime.aclose()
 

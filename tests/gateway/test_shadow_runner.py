@@ -9,18 +9,14 @@ from types import SimpleNamespace
 import sqlalchemy as sa
 
 from gateway import db
+from gateway.backends.resilience import BreakerRegistry
+from gateway.ledger.record import ShadowRecord
+from gateway.ledger.writer import ShadowEvalWriter
 from gateway.policy import parse_policy
 from gateway.routing import Decision
-from gateway.shadow import (
-    SHADOW_EVENTS,
-    ShadowEvalWriter,
-    ShadowRecord,
-    ShadowRunner,
-    judge_messages,
-    normalise,
-    parse_verdict,
-    without_reference,
-)
+from gateway.shadow.judge import judge_messages, normalise, parse_verdict
+from gateway.shadow.reference import without_reference
+from gateway.shadow.runner import SHADOW_EVENTS, ShadowRunner
 
 POLICY = """
 backends:
@@ -41,13 +37,13 @@ routes:
 
 
 def runner(tmp_path: Path, **kw) -> ShadowRunner:
-    gw = SimpleNamespace(config=SimpleNamespace(database_url=f"sqlite:///{tmp_path}/l.db"))
-    return ShadowRunner(gw, tmp_path / "shadow-spool.jsonl", **kw)
+    writer = ShadowEvalWriter(f"sqlite:///{tmp_path}/l.db", tmp_path / "shadow-spool.jsonl")
+    return ShadowRunner(SimpleNamespace(), BreakerRegistry(), SimpleNamespace(), writer, **kw)
 
 
 def chat(reference: str | None = None) -> dict:
     body = {"model": "exact", "messages": [{"role": "user", "content": "q"}], "stream": True,
-            "stream_options": {"include_usage": True}, "_switchyard_chain": ["local", "mini"]}
+            "stream_options": {"include_usage": True}}
     if reference is not None:
         body["metadata"] = {"reference": reference}
     return body
@@ -73,7 +69,7 @@ def test_sampling_rate_and_exact_judge_needs_a_reference(tmp_path: Path) -> None
 async def test_a_full_queue_drops_and_counts_instead_of_blocking(tmp_path: Path) -> None:
     policy = parse_policy(POLICY, "p.yaml")
     r = runner(tmp_path, max_queue=2, workers=0)
-    db.upgrade(r.gw.config.database_url)
+    db.upgrade(r.writer.database_url)
     await r.start()
     decision = Decision(chain=["local", "mini"], reason="difficulty_easy")
     ticket = r.ticket("req", policy.routes["judged"], policy, chat(), "chat", decision)

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.standin import run_standin, standin_control, standin_stats
+from gateway.testing.standin import run_standin, standin_control, standin_stats
 
 MSG = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "a b c"}]}]
 
@@ -142,7 +142,7 @@ def test_subprocess_mode_and_module_entry_point() -> None:
     with run_standin(subprocess_mode=True, engine_extension=True) as url:
         r = client(url).chat.completions.create(model="m", messages=MSG, max_tokens=2)
         assert r.model_extra["switchyard"]["device_seconds"] > 0
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.standin", "--port", "0", "--engine-extension"],
+    proc = subprocess.Popen([sys.executable, "-m", "gateway.testing.standin", "--port", "0", "--engine-extension"],
                             stdout=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()

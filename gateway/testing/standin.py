@@ -15,7 +15,7 @@ options and zeroes the counters); `GET /_control` returns counters, options and 
         ...
         standin_stats(base_url)["requests"]
 
-    python -m gateway.standin --port 8100 [--engine-extension]
+    python -m gateway.testing.standin --port 8100 [--engine-extension]
 """
 from __future__ import annotations
 
@@ -469,7 +469,7 @@ def run_standin(port: int = 0, *, subprocess_mode: bool = False, host: str = "12
 
 
 def _run_in_subprocess(host: str, port: int, options: StandinOptions) -> Iterator[str]:
-    args = [sys.executable, "-m", "gateway.standin", "--host", host, "--port", str(port),
+    args = [sys.executable, "-m", "gateway.testing.standin", "--host", host, "--port", str(port),
             "--options", json.dumps(dataclasses.asdict(options))]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
     try:
@@ -509,7 +509,7 @@ def standin_stats(base_url: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m gateway.standin",
+    p = argparse.ArgumentParser(prog="python -m gateway.testing.standin",
                                 description="A fast stand-in OpenAI-compatible upstream (tests, benchmarks).")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100)

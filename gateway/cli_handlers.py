@@ -1,0 +1,80 @@
+"""The handlers of the gateway's own `switchyard` subcommands: read the parsed flags, call the domain
+module, print, return the exit code. gateway/cli.py builds the parser and imports this lazily; each
+handler imports what it needs lazily too, so one command does not pay for another's dependencies.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def policy_check(args: argparse.Namespace) -> int:
+    """`switchyard policy check FILE`: print a summary and exit 0, or print every problem and exit 1."""
+    from gateway.policy import PolicyError, load_policy, policy_warnings
+
+    try:
+        policy = load_policy(args.file)
+    except PolicyError as e:
+        print(f"ERROR: {e}", file=sys.stderr)
+        return 1
+    print(f"OK: {len(policy.routes)} routes, {len(policy.backends)} backends, version {policy.version}")
+    for warning in policy_warnings(policy):
+        print(f"warning: {warning}")
+    return 0
+
+
+def db_upgrade(args: argparse.Namespace) -> int:
+    """`switchyard db upgrade [--database-url URL]`."""
+    from gateway import db, settings
+
+    url = settings.database_url(getattr(args, "database_url", None))
+    try:
+        db.upgrade(url)
+    except Exception as exc:  # noqa: BLE001 - report any failure as a clear CLI error
+        print(f"switchyard db upgrade: failed on {db.redact_url(url)}: {type(exc).__name__}: {exc}",
+              file=sys.stderr)
+        return 1
+    print(f"database {db.redact_url(url)} is at revision {db.current_revision(url)} (head)")
+    return 0
+
+
+def keys_create(args: argparse.Namespace) -> int:
+    """`switchyard keys create --team T …`: store a new key's hash and print the key, once, as the last line."""
+    import asyncio
+
+    from gateway import db, settings
+    from gateway.keys import create_key
+
+    url = settings.database_url(args.database_url)
+    db.upgrade(url)
+
+    async def run() -> str:
+        engine = db.create_engine(url)
+        try:
+            key, info = await create_key(engine, args.team, budget_usd=args.budget_usd, rpm=args.rpm, tpm=args.tpm)
+        finally:
+            await engine.dispose()
+        limits = ", ".join(f"{k}={v}" for k, v in (("budget_usd", info.budget_usd), ("rpm", info.rpm),
+                                                    ("tpm", info.tpm)) if v is not None) or "no limits"
+        print(f"Created key {info.id} for team '{info.team}' ({limits}). It is shown once; store it now:")
+        return key
+
+    try:
+        print(asyncio.run(run()))
+    except ValueError as exc:
+        print(f"error: {exc}")
+        return 2
+    return 0
+
+
+def router_retrain(args: argparse.Namespace) -> int:
+    """`switchyard router retrain --from-ledger …`: the router's retrain on the ledger's shadow evaluations."""
+    from gateway import settings
+    from gateway.shadow_labels import load_shadow_set
+    from router.cli import retrain_from
+    from router.dataset import DataError
+
+    if not args.from_ledger:
+        raise DataError("retrain reads the gateway's shadow evaluations: pass --from-ledger")
+    url = settings.database_url(args.database_url)
+    return retrain_from(args, lambda: load_shadow_set(url, args.route))
