@@ -49,21 +49,13 @@ class GatewayConfig:
 
 @dataclass(slots=True)
 class Gateway:
-    """Every long-lived part, built once in the lifespan (`app.state.gw`); the request path gets only
-    `services`, the parts it uses."""
+    """Every long-lived part, built once in the lifespan (`app.state.gw`): the request path's `services`
+    (all the request path gets) and what only the app itself uses."""
 
     config: GatewayConfig
     db_engine: AsyncEngine
-    writer: LedgerWriter
-    policy_store: PolicyStore
-    pool: BackendPool
     embedded: EmbeddedEngines
-    auth: Authenticator
-    budgets: BudgetBook
-    shadow: ShadowRunner  # shadow evaluation, with its own writer (and spool) for shadow_evals
-    breakers: BreakerRegistry
-    limiter: RateLimiter
-    routing: RoutingRuntime  # difficulty models and engine load
+    routing: RoutingRuntime  # difficulty models and engine load (services hold both for the request path)
     services: proxy.Services
     started_at: float = field(default_factory=time.time)
 
@@ -113,9 +105,7 @@ async def _start(config: GatewayConfig) -> Gateway:
     services = proxy.Services(auth=auth, policy_store=policy_store, models=routing.models, load=routing.load,
                               limiter=limiter, budgets=budgets, pool=pool, breakers=breakers, ledger=writer,
                               shadow=shadow)
-    gw = Gateway(config=config, db_engine=db_engine, writer=writer, policy_store=policy_store, pool=pool,
-                 embedded=embedded, auth=auth, budgets=budgets, shadow=shadow, breakers=breakers, limiter=limiter,
-                 routing=routing, services=services)
+    gw = Gateway(config=config, db_engine=db_engine, embedded=embedded, routing=routing, services=services)
     await _apply_policy(gw, policy_store.current)
 
     async def on_change(policy: Policy) -> None:
@@ -131,17 +121,19 @@ async def _start(config: GatewayConfig) -> Gateway:
 
 
 async def _stop(gw: Gateway) -> None:
-    await gw.policy_store.stop()
-    await gw.shadow.aclose()  # finishes queued shadow jobs (they use the pool and the ledger writer)
+    services = gw.services
+    await services.policy_store.stop()
+    if services.shadow is not None:
+        await services.shadow.aclose()  # finishes queued shadow jobs (they use the pool and the ledger writer)
     await gw.routing.aclose()
-    await gw.pool.aclose()
-    await gw.writer.close()
+    await services.pool.aclose()
+    await services.ledger.close()
     await gw.db_engine.dispose()
 
 
 async def _apply_policy(gw: Gateway, policy: Policy) -> None:
-    await gw.pool.sync(policy)
-    await gw.routing.apply(policy, gw.pool)  # loads (or trains) difficulty models in a thread, off requests
+    await gw.services.pool.sync(policy)
+    await gw.routing.apply(policy, gw.services.pool)  # loads (or trains) difficulty models in a thread, off requests
     metrics.POLICY_INFO.clear()
     metrics.POLICY_INFO.labels(policy.version).set(1)
     log.info("policy %s live: %d routes, %d backends", policy.version, len(policy.routes), len(policy.backends))
@@ -158,24 +150,25 @@ async def completions(request: Request) -> Response:
 async def list_models(request: Request) -> Response:
     gw: Gateway = request.app.state.gw
     try:
-        await gw.auth.authenticate(request.headers.get("authorization"))
+        await gw.services.auth.authenticate(request.headers.get("authorization"))
     except APIError as exc:
         return error_response(exc)
     created = int(gw.started_at)
     data = [{"id": name, "object": "model", "created": created, "owned_by": "switchyard"}
-            for name in gw.policy_store.current.routes]
+            for name in gw.services.policy_store.current.routes]
     return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
 
 
 async def health(request: Request) -> Response:
-    gw: Gateway = request.app.state.gw
-    return JSONResponse({"status": "ok", "policy_version": gw.policy_store.current.version,
-                         "ledger_queue": gw.writer.queue_depth, "database": gw.writer.db_available})
+    services: proxy.Services = request.app.state.services
+    ledger = services.ledger
+    return JSONResponse({"status": "ok", "policy_version": services.policy_store.current.version,
+                         "ledger_queue": ledger.queue_depth, "database": ledger.db_available})
 
 
 async def prometheus(request: Request) -> Response:
-    gw: Gateway = request.app.state.gw
-    for name, state in gw.breakers.states().items():
+    services: proxy.Services = request.app.state.services
+    for name, state in services.breakers.states().items():
         metrics.BREAKER_STATE.labels(name).set(state)
     return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import orjson
@@ -179,16 +179,25 @@ def _payload(call: Call) -> dict:
     return without_reference(call.body)
 
 
-async def _complete(services: Services, request: Request, call: Call) -> Response:
+async def _dispatch(services: Services, request: Request, call: Call, with_fallbacks: Callable) -> Any:
+    """Try the call's chain with `with_fallbacks` (plain or stream opener) until the client leaves: its
+    result, or the Response that ends the request (499 for a closed client, the upstream's error)."""
     chain = services.pool.chain(call.chain)
     try:
-        completion, backend, attempts = await until_disconnect(
-            request.receive, complete_with_fallbacks(chain, _payload(call), call.endpoint, services.breakers))
+        return await until_disconnect(
+            request.receive, with_fallbacks(chain, _payload(call), call.endpoint, services.breakers))
     except ClientClosed:
         return _client_closed(services, call)
     except UpstreamError as exc:
-        call.record.attempts = max(call.record.attempts, getattr(exc, "attempts", 1))
+        call.record.attempts = max(call.record.attempts, exc.attempts)
         return _upstream_failure(services, call, exc)
+
+
+async def _complete(services: Services, request: Request, call: Call) -> Response:
+    outcome = await _dispatch(services, request, call, complete_with_fallbacks)
+    if isinstance(outcome, Response):
+        return outcome
+    completion, backend, attempts = outcome
     call.record.attempts = attempts
     call.record.ttft_ms = (time.perf_counter() - call.started) * 1000
     body = completion.body
@@ -201,14 +210,10 @@ async def _complete(services: Services, request: Request, call: Call) -> Respons
 
 
 async def _stream(services: Services, request: Request, call: Call) -> Response:
-    chain = services.pool.chain(call.chain)
-    try:
-        backend, chunks, attempts = await until_disconnect(
-            request.receive, open_stream_with_fallbacks(chain, _payload(call), call.endpoint, services.breakers))
-    except ClientClosed:
-        return _client_closed(services, call)
-    except UpstreamError as exc:
-        return _upstream_failure(services, call, exc)
+    outcome = await _dispatch(services, request, call, open_stream_with_fallbacks)
+    if isinstance(outcome, Response):
+        return outcome
+    backend, chunks, attempts = outcome
     call.record.attempts = attempts
     relay = _Relay(services, call, backend, chunks)
     return EventStreamResponse(relay.body(), on_end=relay.finish,

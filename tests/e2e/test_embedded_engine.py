@@ -65,7 +65,7 @@ def test_embedded_engine_serves_and_is_restarted_when_it_dies(tiny_model_dir, st
         backend, _ = ask()
         assert backend == "local" and process.restarts == 1
 
-        gateway.call(gateway.gw.writer.flush)
+        gateway.call(gateway.gw.services.ledger.flush)
         rows = ledger_rows(gateway.config.database_url)
         local_rows = [r for r in rows if r["backend"] == "local"]
         assert [r["backend"] for r in rows] == ["local", "local", "spare", "local"]

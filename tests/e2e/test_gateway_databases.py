@@ -49,7 +49,7 @@ def test_every_request_is_in_the_ledger_after_a_graceful_shutdown(db_url, standi
     monkeypatch.setenv("STANDIN_API_KEY", "sk-standin")
     with run_gateway(POLICY.format(standin=standin), tmp_path, database_url=db_url) as gateway:
         sent = asyncio.run(_traffic(gateway.base_url))
-        version = gateway.gw.policy_store.current.version
+        version = gateway.gw.services.policy_store.current.version
     # No explicit flush: leaving the context shuts the gateway down, which must drain the writer.
     rows = ledger_rows(db_url)
     assert len(rows) == sent == 35

@@ -64,7 +64,7 @@ def test_concurrent_requests_cannot_overspend_a_budget(gateway):
     assert all(isinstance(r, openai.RateLimitError) for r in refused)
     assert all(r.response.headers.get("retry-after") for r in refused)
     assert all(r.body["code"] == "insufficient_quota" for r in refused)
-    gateway.call(gateway.gw.writer.flush)
+    gateway.call(gateway.gw.services.ledger.flush)
     rows = ledger_rows(gateway.config.database_url, "status = 'ok'")
     spent = sum(r["cost_usd"] for r in rows)
     assert len(rows) == len(served) <= 50
@@ -97,6 +97,6 @@ def test_keys_from_the_table_authenticate_and_are_attributed(gateway):
     key = make_key(gateway)
     openai.OpenAI(base_url=gateway.base_url, api_key=key, max_retries=0).chat.completions.create(
         model="priced", messages=[{"role": "user", "content": PROMPT}], max_tokens=10)
-    gateway.call(gateway.gw.writer.flush)
+    gateway.call(gateway.gw.services.ledger.flush)
     [row] = ledger_rows(gateway.config.database_url)
     assert row["team"] == "team-a" and row["api_key_id"].startswith("key_")

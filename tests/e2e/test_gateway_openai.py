@@ -61,7 +61,7 @@ def client(gateway, key: str = MASTER_KEY) -> openai.OpenAI:
 
 
 def flushed_rows(gateway, where: str = "1=1", params: dict | None = None) -> list[dict]:
-    gateway.call(gateway.gw.writer.flush)
+    gateway.call(gateway.gw.services.ledger.flush)
     return ledger_rows(gateway.config.database_url, where, params)
 
 
@@ -78,7 +78,7 @@ def test_chat_plain_on_engine_backend_is_logged_with_amortised_cost(gateway):
     assert row["gpu_seconds"] is not None and row["gpu_seconds"] > 0
     assert row["cost_usd"] > 0
     assert row["counterfactual_cost_usd"] is not None and row["counterfactual_cost_usd"] > 0
-    assert row["policy_version"] == gateway.gw.policy_store.current.version
+    assert row["policy_version"] == gateway.gw.services.policy_store.current.version
     assert row["latency_ms"] > 0 and row["ttft_ms"] > 0
 
 
@@ -186,7 +186,7 @@ def test_prompt_and_completion_text_are_stored_only_when_the_route_opts_in(gatew
     c.chat.completions.create(model="audited", messages=[{"role": "user", "content": "secret two"}], max_tokens=2)
     list(c.chat.completions.create(model="audited", messages=[{"role": "user", "content": "secret three"}],
                                    max_tokens=3, stream=True))
-    gateway.call(gateway.gw.writer.flush)
+    gateway.call(gateway.gw.services.ledger.flush)
     engine = sa.create_engine(db.sync_url(gateway.config.database_url))
     with engine.connect() as conn:
         rows = conn.execute(sa.text("SELECT route, prompt_text, completion_text FROM requests ORDER BY id")).all()

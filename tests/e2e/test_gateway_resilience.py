@@ -57,7 +57,7 @@ def test_client_disconnect_mid_stream_cancels_upstream_and_logs_tokens_produced(
     wait_for(lambda: standin_stats(standin)["disconnects"] >= 1)
     stats = standin_stats(standin)
     assert stats["completed"] == 0  # the upstream never finished the 200-token answer
-    gateway.call(gateway.gw.writer.flush)
+    gateway.call(gateway.gw.services.ledger.flush)
     wait_for(lambda: len(ledger_rows(gateway.config.database_url)) == 1)
     [row] = ledger_rows(gateway.config.database_url)
     assert row["status"] == "client_closed"
@@ -70,26 +70,26 @@ def test_upstream_timeout_is_504(gateway, standin):
         openai.OpenAI(base_url=gateway.base_url, api_key=MASTER_KEY, max_retries=0).chat.completions.create(
             model="local", messages=[{"role": "user", "content": "x"}], max_tokens=2)
     assert err.value.status_code == 504
-    gateway.call(gateway.gw.writer.flush)
+    gateway.call(gateway.gw.services.ledger.flush)
     [row] = ledger_rows(gateway.config.database_url)
     assert row["status"] == "error" and row["error_type"] == "upstream_timeout"
 
 
 def test_policy_edits_hot_reload_and_bad_edits_are_rejected(gateway, standin):
     client = openai.OpenAI(base_url=gateway.base_url, api_key=MASTER_KEY, max_retries=0)
-    old_version = gateway.gw.policy_store.current.version
+    old_version = gateway.gw.services.policy_store.current.version
     path = gateway.config.policy_path
     path.write_text(path.read_text() + "  local2:\n    strategy: fixed\n    backend: eng\n")
-    wait_for(lambda: gateway.gw.policy_store.current.version != old_version)
+    wait_for(lambda: gateway.gw.services.policy_store.current.version != old_version)
     assert sorted(m.id for m in client.models.list().data) == ["local", "local2"]
-    good_version = gateway.gw.policy_store.current.version
+    good_version = gateway.gw.services.policy_store.current.version
     path.write_text(path.read_text() + "  broken:\n    strategy: fixed\n    backend: nowhere\n")
     time.sleep(1.5)
-    assert gateway.gw.policy_store.current.version == good_version
+    assert gateway.gw.services.policy_store.current.version == good_version
     reply = client.chat.completions.create(model="local2", messages=[{"role": "user", "content": "x"}],
                                            max_tokens=2)
     assert reply.usage.completion_tokens == 2
-    gateway.call(gateway.gw.writer.flush)
+    gateway.call(gateway.gw.services.ledger.flush)
     [row] = ledger_rows(gateway.config.database_url)
     assert row["policy_version"] == good_version
 
@@ -111,7 +111,7 @@ def test_client_gone_right_after_headers_is_still_accounted_and_cancelled(gatewa
             head += sock.recv(1)
         assert head.startswith(b"HTTP/1.1 200")
     wait_for(lambda: standin_stats(standin)["disconnects"] >= 1)
-    gateway.call(gateway.gw.writer.flush)
+    gateway.call(gateway.gw.services.ledger.flush)
     wait_for(lambda: len(ledger_rows(gateway.config.database_url)) == 1)
     [row] = ledger_rows(gateway.config.database_url)
     assert row["status"] == "client_closed" and row["completion_tokens"] < 100

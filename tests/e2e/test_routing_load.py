@@ -124,7 +124,7 @@ def occupy(base_url: str, n: int, max_tokens: int) -> list[socket.socket]:
 
 
 def route_rows(gateway) -> list[dict]:
-    gateway.call(gateway.gw.writer.flush)
+    gateway.call(gateway.gw.services.ledger.flush)
     return ledger_rows(gateway.config.database_url)
 
 

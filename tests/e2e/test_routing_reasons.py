@@ -77,7 +77,7 @@ def test_a_key_that_cannot_afford_hard_is_served_by_easy_where_the_route_allows(
     assert raw.headers["x-switchyard-backend"] == "local"
     with pytest.raises(openai.RateLimitError, match="Budget exceeded"):
         client.chat.completions.create(model="plain", messages=[{"role": "user", "content": HARD}], max_tokens=10)
-    gateway.call(gateway.gw.writer.flush)
+    gateway.call(gateway.gw.services.ledger.flush)
     rows = ledger_rows(gateway.config.database_url)
     assert [(r["route"], r["backend"], r["route_reason"], r["status"]) for r in rows] == [
         ("thrifty", "local", "budget", "ok"), ("plain", None, "difficulty_hard", "rejected")]
@@ -89,7 +89,7 @@ def test_served_by_a_later_backend_is_logged_as_fallback(gateway) -> None:
     raw = client.chat.completions.with_raw_response.create(
         model="broken-easy", messages=[{"role": "user", "content": EASY}], max_tokens=3)
     assert raw.headers["x-switchyard-backend"] == "api"  # easy by score, its engine is down, hard answered
-    gateway.call(gateway.gw.writer.flush)
+    gateway.call(gateway.gw.services.ledger.flush)
     [row] = ledger_rows(gateway.config.database_url)
     assert (row["backend"], row["route_reason"], row["attempts"]) == ("api", "fallback", 2)
     assert row["difficulty"] < 0.5 and row["threshold"] == 0.5

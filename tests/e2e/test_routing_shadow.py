@@ -124,9 +124,9 @@ def gateway(judge, model_and_threshold, tmp_path, monkeypatch):
 def settle(gateway) -> None:
     """Wait for the shadow workers, then make every row durable."""
     gw = gateway.gw
-    gateway.call(gw.shadow.drain)
-    gateway.call(gw.shadow.writer.flush)
-    gateway.call(gw.writer.flush)
+    gateway.call(gw.services.shadow.drain)
+    gateway.call(gw.services.shadow.writer.flush)
+    gateway.call(gw.services.ledger.flush)
 
 
 def shadow_rows(gateway) -> dict[str, dict]:
