@@ -184,21 +184,22 @@ async def _dispatch(services: Services, request: Request, call: Call, with_fallb
     result, or the Response that ends the request (499 for a closed client, the upstream's error)."""
     chain = services.pool.chain(call.chain)
     try:
-        return await until_disconnect(
+        result = await until_disconnect(
             request.receive, with_fallbacks(chain, _payload(call), call.endpoint, services.breakers))
     except ClientClosed:
         return _client_closed(services, call)
     except UpstreamError as exc:
         call.record.attempts = max(call.record.attempts, exc.attempts)
         return _upstream_failure(services, call, exc)
+    call.record.attempts = result[-1]  # both openers return (…, attempts made)
+    return result
 
 
 async def _complete(services: Services, request: Request, call: Call) -> Response:
     outcome = await _dispatch(services, request, call, complete_with_fallbacks)
     if isinstance(outcome, Response):
         return outcome
-    completion, backend, attempts = outcome
-    call.record.attempts = attempts
+    completion, backend, _ = outcome
     call.record.ttft_ms = (time.perf_counter() - call.started) * 1000
     body = completion.body
     body.pop("switchyard", None)
@@ -213,8 +214,7 @@ async def _stream(services: Services, request: Request, call: Call) -> Response:
     outcome = await _dispatch(services, request, call, open_stream_with_fallbacks)
     if isinstance(outcome, Response):
         return outcome
-    backend, chunks, attempts = outcome
-    call.record.attempts = attempts
+    backend, chunks, _ = outcome
     relay = _Relay(services, call, backend, chunks)
     return EventStreamResponse(relay.body(), on_end=relay.finish,
                                headers={"x-switchyard-backend": backend.name, "x-request-id": call.record.request_id})
