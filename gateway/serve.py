@@ -32,11 +32,14 @@ def _example_model(policy: Policy) -> str:
 
 
 def snippet(base_url: str, key: str, model: str) -> str:
+    """The first-start snippet, as in the README: greedy, so pasting it prints the same answer every time
+    (a small model sampled at temperature 1 may wander, or answer nothing)."""
     return (
         "from openai import OpenAI\n"
         f'client = OpenAI(base_url="{base_url}", api_key="{key}")\n'
-        f'reply = client.chat.completions.create(model="{model}", '
-        'messages=[{"role": "user", "content": "Say hello"}])\n'
+        f'reply = client.chat.completions.create(model="{model}", temperature=0,\n'
+        '                                       messages=[{"role": "user", "content": '
+        '"What is the capital of France?"}])\n'
         "print(reply.choices[0].message.content)"
     )
 

@@ -138,17 +138,28 @@ class BlockManager:
         for _ in range(need):
             seq.block_table.append(self._take_block())
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Drop seq's blocks beyond the first blocks_for(num_tokens) (rejected draft tokens rolled back). The
+        blocks dropped hold no computed full block, so none of them is in the prefix cache."""
+        keep = self.blocks_for(num_tokens)
+        while len(seq.block_table) > keep:
+            self._release(seq.block_table.pop())
+        del seq.block_hashes[keep:]
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        assert block.ref_count >= 0, f"block {block_id} freed twice"
+        if block.ref_count == 0:
+            if block.hash != -1:
+                self._evictable[block_id] = None
+            else:
+                self._free.append(block_id)
+
     def free(self, seq: Sequence) -> None:
         """Drop seq's references. Cached blocks stay findable until evicted; the tail goes first."""
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {block_id} freed twice"
-            if block.ref_count == 0:
-                if block.hash != -1:
-                    self._evictable[block_id] = None
-                else:
-                    self._free.append(block_id)
+            self._release(block_id)
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hosted.models import DEMO_MODEL_DIR
+from hosted.models import DEMO_MODEL_DIR, SMOLLM2_MODEL, is_gguf, resolve_model_path
 
 if TYPE_CHECKING:
     from hosted.async_llm_engine import AsyncLLMEngine
@@ -17,11 +17,32 @@ if TYPE_CHECKING:
     from hosted.tokenizer import Tokenizer
 
 
+MODEL_HELP = ("checkpoint directory (config.json, *.safetensors, tokenizer.json), a llama-architecture GGUF "
+              f"file, or package:NAME/FILE (a file inside an installed package, e.g. {SMOLLM2_MODEL})")
+
+
+def checked_model_path(model: str) -> Path:
+    """--model as a path: a `package:` reference resolved (hosted/models), then a directory or a GGUF file;
+    ValueError naming the problem otherwise."""
+    path = resolve_model_path(model)
+    if not (path.is_dir() or (path.is_file() and is_gguf(path))):
+        raise ValueError(f"--model {model!r} is not a checkpoint directory or a GGUF file")
+    return path
+
+
+def served_name(path: Path) -> str:
+    """The default model name: the directory's name, or the GGUF file's name without `.gguf`."""
+    path = path.resolve()
+    return path.stem if path.is_file() else path.name
+
+
 def _add_serve(esub: argparse._SubParsersAction) -> None:
     p = esub.add_parser("serve", help="serve a model over the OpenAI API",
-                        description="Serve a Hugging Face checkpoint directory over an OpenAI-compatible API.")
-    p.add_argument("--model", required=True, help="checkpoint directory (config.json, *.safetensors, tokenizer.json)")
-    p.add_argument("--served-model-name", default=None, help="model name reported by the API (default: dir name)")
+                        description="Serve a Hugging Face checkpoint directory or a GGUF file over an "
+                                    "OpenAI-compatible API.")
+    p.add_argument("--model", required=True, help=MODEL_HELP)
+    p.add_argument("--served-model-name", default=None,
+                   help="model name reported by the API (default: the directory's or file's name)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -40,6 +61,12 @@ def _add_serve(esub: argparse._SubParsersAction) -> None:
                         "stay in --dtype): int8 per output channel, int4 group-wise with zero points")
     p.add_argument("--quantization-group-size", type=int, default=128, choices=[32, 64, 128],
                    help="int4: input features per scale/zero group; must divide every layer's input size")
+    p.add_argument("--speculative", default=None, choices=["ngram", "draft"],
+                   help="speculative decoding: ngram = prompt lookup (no draft model); draft = --draft DIR")
+    p.add_argument("--draft", default=None, metavar="DIR",
+                   help="draft model for speculative decoding (same tokenizer as --model); implies --speculative draft")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
+                   help="most draft tokens verified per sequence per step; each step picks 0..K from measured goodput")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--log-level", default="info")
 
@@ -67,11 +94,38 @@ def _add_train_demo(esub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _add_quantize(esub: argparse._SubParsersAction) -> None:
+    p = esub.add_parser("quantize", help="write a weight-only quantized checkpoint (int8 / int4)",
+                        description="Quantize every decoder linear of a model (as `engine serve --quantization` "
+                                    "does at load) and write a self-contained checkpoint directory "
+                                    "(safetensors, config.json recording the scheme, tokenizer) that `engine serve "
+                                    "--model OUT` loads without quantizing again.")
+    p.add_argument("--model", required=True, help=MODEL_HELP)
+    p.add_argument("--bits", type=int, required=True, choices=[8, 4],
+                   help="8: int8 per output channel; 4: int4 group-wise with zero points")
+    p.add_argument("--group-size", type=int, default=None, choices=[32, 64, 128],
+                   help="int4: input features per scale/zero group (default: 32 for a GGUF file, whose Q4_0/Q4_1 "
+                        "blocks then map exactly; else the largest that divides every layer)")
+    p.add_argument("--out", required=True, help="output checkpoint directory (must not exist, or be empty)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="dtype of the tensors left unquantized (embedding, norms, lm_head); serve with the same "
+                        "--dtype for logits identical to quantizing at load")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+    def run(args: argparse.Namespace) -> int:
+        from hosted.tools.quantize import cli_quantize
+
+        return cli_quantize(args)
+
+    p.set_defaults(func=run)
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("engine", help="the in-house inference engine", description="The in-house inference engine.")
     esub = p.add_subparsers(dest="engine_command", required=True)
     _add_serve(esub)
     _add_train_demo(esub)
+    _add_quantize(esub)
 
 
 # ---------------------------------------------------------------------------------------------- serve
@@ -88,7 +142,9 @@ def load_model(args: argparse.Namespace) -> tuple[AsyncLLMEngine, Tokenizer]:
                           block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
                           max_model_len=getattr(args, "max_model_len", None),
                           quantization=getattr(args, "quantization", None),
-                          quantization_group_size=getattr(args, "quantization_group_size", 128))
+                          quantization_group_size=getattr(args, "quantization_group_size", 128),
+                          speculative=getattr(args, "speculative", None), draft_model_dir=getattr(args, "draft", None),
+                          num_speculative_tokens=getattr(args, "num_speculative_tokens", 4))
     engine = AsyncLLMEngine(LLMEngine(config), max_waiting=args.max_waiting)
     return engine, tokenizer
 
@@ -104,11 +160,12 @@ def cli_serve(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    model_dir = Path(args.model)
-    if not model_dir.is_dir():
-        print(f"error: --model {args.model!r} is not a directory", file=sys.stderr)
+    try:
+        model_path = checked_model_path(args.model)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
-    name = args.served_model_name or model_dir.resolve().name
+    name = args.served_model_name or served_name(model_path)
     run = _ServeRun(args, name)
     app = build_app(ServerState(model_name=name), loader=lambda: load_model(args), on_ready=run.ready,
                     on_load_error=run.failed)

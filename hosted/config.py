@@ -49,10 +49,21 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: list[int] = field(default_factory=list)
     torch_dtype: str | None = None  # the checkpoint's dtype as stored, informational
+    # Set when the checkpoint was saved quantized (`switchyard engine quantize`, config.json
+    # "quantization_config"): its linears load as they are, "int8" | "int4" with this int4 group size.
+    quantization: str | None = None
+    quantization_group_size: int = 0
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
-        path = Path(model_dir)
+        """From a HF checkpoint directory, a GGUF file (hosted/gguf_loader.py) or a `package:` reference."""
+        from hosted.models import is_gguf, resolve_model_path
+
+        path = resolve_model_path(model_dir)
+        if is_gguf(path):
+            from hosted.gguf_loader import model_config
+
+            return model_config(path)
         if not path.is_dir():
             raise ConfigError(f"model directory {str(path)!r} does not exist or is not a directory")
         cfg_path = path / "config.json"
@@ -103,7 +114,35 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos,
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            **_parse_quantization(raw, source),
         )
+
+
+# config.json "quantization_config" of a checkpoint written by `switchyard engine quantize`.
+QUANT_METHOD = "switchyard"
+
+
+def _parse_quantization(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """ModelConfig's quantization fields from "quantization_config" (none: a full-precision checkpoint)."""
+    qc = raw.get("quantization_config")
+    if qc is None:
+        return {}
+    if not isinstance(qc, dict):
+        raise ConfigError(f"{source}: quantization_config must be an object")
+    method = qc.get("quant_method")
+    if method != QUANT_METHOD:
+        raise ConfigError(f"{source}: quantization_config.quant_method {method!r} is not supported: only "
+                          f"{QUANT_METHOD!r} checkpoints (written by `switchyard engine quantize`) load quantized")
+    bits = qc.get("bits")
+    if bits not in (8, 4):
+        raise ConfigError(f"{source}: quantization_config.bits {bits!r} is not supported (8 or 4)")
+    if bits == 8:
+        return {"quantization": "int8", "quantization_group_size": 0}
+    group = qc.get("group_size")
+    if group not in INT4_GROUP_SIZES:
+        raise ConfigError(f"{source}: quantization_config.group_size {group!r} is not supported for bits 4 "
+                          f"({', '.join(map(str, INT4_GROUP_SIZES))})")
+    return {"quantization": "int4", "quantization_group_size": int(group)}
 
 
 def _architecture(raw: dict[str, Any], source: str) -> str:
@@ -220,6 +259,23 @@ class EngineConfig:
     # of `quantization_group_size` input features. Activations and the KV cache stay in `dtype`.
     quantization: str | None = None
     quantization_group_size: int = 128  # int4 only; must divide every quantized layer's in_features
+    # Speculative decoding (hosted/spec/): None = off; "ngram" = prompt lookup (n-grams of spec_ngram_max down
+    # to spec_ngram_min tokens); "draft" = draft_model_dir, a small model with the same vocabulary (a draft
+    # directory alone implies "draft"). Up to num_speculative_tokens drafts per decode per step, as many as
+    # measured goodput favours (none when verifying costs more than it saves); spec_adaptive=False always
+    # verifies every draft offered (tests, benchmarks).
+    speculative: str | None = None
+    draft_model_dir: str | None = None
+    num_speculative_tokens: int = 4
+    spec_adaptive: bool = True
+    spec_ngram_min: int = 1
+    spec_ngram_max: int = 3
+
+    @property
+    def spec_method(self) -> str | None:
+        if self.speculative is None and self.draft_model_dir is not None:
+            return "draft"
+        return self.speculative
 
     def validate(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -239,3 +295,18 @@ class EngineConfig:
         if self.quantization_group_size not in INT4_GROUP_SIZES:
             raise ValueError(f"quantization_group_size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}, "
                              f"got {self.quantization_group_size!r}")
+        self._validate_spec()
+
+    def _validate_spec(self) -> None:
+        method = self.spec_method
+        if method not in (None, "ngram", "draft"):
+            raise ValueError(f"speculative must be 'ngram' or 'draft' (or None), got {self.speculative!r}")
+        if method == "draft" and self.draft_model_dir is None:
+            raise ValueError("speculative='draft' needs draft_model_dir (--draft DIR)")
+        if method == "ngram" and self.draft_model_dir is not None:
+            raise ValueError("draft_model_dir is set but speculative='ngram': choose one proposer")
+        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be an integer in [1, 16], got {self.num_speculative_tokens!r}")
+        if not 1 <= self.spec_ngram_min <= self.spec_ngram_max:
+            raise ValueError(f"n-gram sizes must satisfy 1 <= spec_ngram_min <= spec_ngram_max, "
+                             f"got {self.spec_ngram_min}..{self.spec_ngram_max}")

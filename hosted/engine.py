@@ -17,6 +17,7 @@ from hosted.sampler import Sampler
 from hosted.sampling_params import SamplingParams
 from hosted.scheduler import Scheduler
 from hosted.sequence import Sequence
+from hosted.spec.decoder import Sampled, SpecDecoder, plain_samples
 
 __all__ = ["EngineConfig", "EngineStats", "LLMEngine", "SamplingParams", "StepOutput", "TokenLogprob"]
 
@@ -33,8 +34,9 @@ class TokenLogprob:
 @dataclass(slots=True)
 class StepOutput:
     request_id: str
-    # Tokens produced for this request in this step (0 or 1). When finish_reason == "stop" the last one
-    # is the EOS / stop token that ended the request: count it, but do not render it as text.
+    # Tokens produced for this request in this step (0 or 1; up to 1 + k when verifying k draft tokens).
+    # When finish_reason == "stop" the last one is the EOS / stop token that ended the request: count it,
+    # but do not render it as text.
     new_token_ids: list[int]
     logprobs: list[TokenLogprob] | None  # one per new token when the request asked for logprobs
     finished: bool
@@ -42,6 +44,8 @@ class StepOutput:
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache (fixed at first admission)
     device_seconds: float  # cumulative device time attributed to this request so far
+    spec_proposed: int = 0  # draft tokens verified for this request so far (speculative decoding)
+    spec_accepted: int = 0  # of them, kept as output
 
 
 @dataclass(slots=True)
@@ -57,6 +61,8 @@ class EngineStats:
     num_steps: int = 0
     num_generated_tokens: int = 0
     num_computed_tokens: int = 0  # tokens fed through the model (prefill + decode + recompute)
+    spec_proposed_tokens: int = 0  # draft tokens verified (speculative decoding)
+    spec_accepted_tokens: int = 0  # of them, kept as output
 
 
 class LLMEngine:
@@ -71,6 +77,8 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(self.device)
+        self.spec = (SpecDecoder(config, self.model_config, self.runner, self.max_model_len)
+                     if config.spec_method is not None else None)
         self._seqs: dict[str, Sequence] = {}
         self._aborted: list[StepOutput] = []
         self._arrivals = 0
@@ -129,6 +137,8 @@ class LLMEngine:
         if seq is None:
             return
         self.scheduler.remove(seq)
+        if self.spec is not None:
+            self.spec.release(seq)
         seq.finish_reason = "abort"
         self._aborted.append(self._output(seq, [], None))
 
@@ -138,16 +148,30 @@ class LLMEngine:
     # ---- one iteration ----------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         outputs, self._aborted = self._aborted, []
+        spec = self.spec
+        if spec is not None:
+            spec.propose(self.scheduler)  # draft tokens for running decodes, verified in this step's forward
         batch = self.scheduler.schedule()
+        if spec is not None:
+            for seq in batch.preempted:
+                spec.release(seq)
         if batch.empty:
             return outputs
         t0 = time.perf_counter()
         with torch.inference_mode():
             logits, sample_seqs = self.runner.execute(batch)
-            result = self.sampler(logits, sample_seqs) if sample_seqs else None
+            if not sample_seqs:
+                sampled: list[Sampled] = []
+            elif spec is not None:
+                sampled = spec.sample(logits, sample_seqs, self.sampler)
+            else:
+                sampled = plain_samples(self.sampler(logits, sample_seqs))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - t0
+        if spec is not None:
+            spec.observe(batch.num_tokens, elapsed)
+            elapsed += spec.propose_seconds
         self._busy += elapsed
         self._steps += 1
         self._computed += batch.num_tokens
@@ -155,22 +179,38 @@ class LLMEngine:
         for seq, n in batch.items:
             seq.device_seconds += elapsed * n / batch.num_tokens
             seq.num_computed_tokens += n
-            self.block_manager.register_computed_blocks(seq)
-        if result is None:
-            return outputs
-        for seq, token, lp in zip(sample_seqs, result.token_ids, result.logprobs):
-            seq.token_ids.append(token)
-            self._generated += 1
-            reason = self._finish_reason(seq, token)
+        finished: list[Sequence] = []
+        for seq, got in zip(sample_seqs, sampled):
+            kept, reason = self._append(seq, got.token_ids)
+            if got.num_proposed:
+                assert spec is not None
+                spec.settle(seq, got, kept, self.block_manager)  # roll back the rejected drafts' KV
+            self._generated += kept
             logprobs = None
-            if lp is not None:
-                logprobs = [TokenLogprob(token, lp[0], lp[1])]
+            if got.logprobs is not None:
+                logprobs = [TokenLogprob(t, lp[0], lp[1]) for t, lp in zip(got.token_ids[:kept], got.logprobs)]
             if reason is not None:
                 seq.finish_reason = reason
-                self.scheduler.remove(seq)
-                del self._seqs[seq.request_id]
-            outputs.append(self._output(seq, [token], logprobs))
+                finished.append(seq)
+            outputs.append(self._output(seq, got.token_ids[:kept], logprobs))
+        # Only now, with rejected drafts rolled back, may full computed blocks enter the prefix cache.
+        for seq, _ in batch.items:
+            self.block_manager.register_computed_blocks(seq)
+        for seq in finished:
+            self.scheduler.remove(seq)
+            if spec is not None:
+                spec.release(seq)
+            del self._seqs[seq.request_id]
         return outputs
+
+    def _append(self, seq: Sequence, tokens: list[int]) -> tuple[int, str | None]:
+        """Append tokens up to the first that ends the request; returns (how many, finish reason or None)."""
+        for i, token in enumerate(tokens):
+            seq.token_ids.append(token)
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                return i + 1, reason
+        return len(tokens), None
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
@@ -185,7 +225,8 @@ class LLMEngine:
         return StepOutput(request_id=seq.request_id, new_token_ids=tokens, logprobs=logprobs,
                           finished=seq.finish_reason is not None, finish_reason=seq.finish_reason,
                           num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
-                          device_seconds=seq.device_seconds)
+                          device_seconds=seq.device_seconds, spec_proposed=seq.spec_proposed,
+                          spec_accepted=seq.spec_accepted)
 
     # ---- introspection ----------------------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -195,7 +236,9 @@ class LLMEngine:
             kv_blocks_total=bm.num_blocks, kv_blocks_free=bm.num_free_blocks,
             prefix_queries_tokens=bm.prefix_queries_tokens, prefix_hit_tokens=bm.prefix_hit_tokens,
             busy_seconds=self._busy, num_preemptions=self.scheduler.num_preemptions, num_steps=self._steps,
-            num_generated_tokens=self._generated, num_computed_tokens=self._computed)
+            num_generated_tokens=self._generated, num_computed_tokens=self._computed,
+            spec_proposed_tokens=self.spec.num_proposed if self.spec is not None else 0,
+            spec_accepted_tokens=self.spec.num_accepted if self.spec is not None else 0)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
         """Convenience for tests and scripts: run prompts to completion, return each one's output tokens."""

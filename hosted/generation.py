@@ -33,6 +33,8 @@ class Choice:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     device_seconds: float = 0.0
+    spec_proposed: int = 0  # speculative decoding: draft tokens verified for this choice
+    spec_accepted: int = 0
     finish_reason: str | None = None
     text_parts: list[str] = field(default_factory=list)
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
@@ -109,6 +111,13 @@ class Generation:
         choice.num_prompt_tokens = out.num_prompt_tokens
         choice.num_cached_tokens = out.num_cached_tokens
         choice.device_seconds = out.device_seconds
+        choice.spec_proposed = out.spec_proposed
+        choice.spec_accepted = out.spec_accepted
+        # The token that ended the request with "stop" is EOS or a stop token id: counted, not rendered.
+        text_tokens = tokens[:-1] if out.finished and out.finish_reason == "stop" else tokens
+        text, used = _push(choice.stream, text_tokens)
+        if used < len(text_tokens):  # a stop string ended the text before the last of this step's tokens
+            tokens = tokens[:used]
         if tokens:
             choice.num_tokens += len(tokens)
             if choice.t_first is None:
@@ -116,9 +125,6 @@ class Generation:
                 if self.t_first_token is None:
                     self.t_first_token = now
             choice.t_last = now
-        # The token that ended the request with "stop" is EOS or a stop token id: counted, not rendered.
-        text_tokens = tokens[:-1] if out.finished and out.finish_reason == "stop" else tokens
-        text = choice.stream.push(text_tokens)
         finish = None
         if choice.stream.stopped:
             finish = "stop"
@@ -129,7 +135,7 @@ class Generation:
             finish = "stop" if choice.stream.stopped else out.finish_reason
         lps: list[tuple[int, float, list[tuple[int, float]]]] = []
         if self.plan.logprobs and out.logprobs:
-            lps = [(lp.token_id, lp.logprob, lp.top) for lp in out.logprobs]
+            lps = [(lp.token_id, lp.logprob, lp.top) for lp in out.logprobs[:len(tokens)]]
             choice.logprobs.extend(lps)
         if text:
             choice.text_parts.append(text)
@@ -168,8 +174,12 @@ class Generation:
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
     def extension(self) -> dict[str, float]:
-        return {"device_seconds": round(sum(c.device_seconds for c in self.choices), 6),
-                "utilisation": round(self.engine.utilisation(), 6)}
+        ext = {"device_seconds": round(sum(c.device_seconds for c in self.choices), 6),
+               "utilisation": round(self.engine.utilisation(), 6)}
+        if self.engine.engine.config.spec_method is not None:
+            ext["spec_proposed"] = sum(c.spec_proposed for c in self.choices)
+            ext["spec_accepted"] = sum(c.spec_accepted for c in self.choices)
+        return ext
 
     def observe(self, metrics: EngineMetrics) -> None:
         now = time.monotonic()
@@ -181,6 +191,19 @@ class Generation:
         metrics.e2e.observe(now - self.t_start)
         metrics.prompt_tokens.inc(sum(len(job.ids) for job in self.plan.jobs))
         metrics.generation_tokens.inc(sum(c.num_tokens for c in self.choices))
+
+
+def _push(stream: TextStream, tokens: list[int]) -> tuple[str, int]:
+    """Push a step's tokens (several when drafts were accepted) one at a time, stopping at a stop string;
+    returns the text and how many tokens it took."""
+    if len(tokens) <= 1:
+        return stream.push(tokens), len(tokens)
+    parts = []
+    for i, token in enumerate(tokens):
+        parts.append(stream.push([token]))
+        if stream.stopped:
+            return "".join(parts), i + 1
+    return "".join(parts), len(tokens)
 
 
 def _choices(plan: Plan, tokenizer: Tokenizer) -> list[Choice]:

@@ -1,18 +1,25 @@
-"""Load a Hugging Face checkpoint directory (config.json + safetensors, single or sharded) into our model.
+"""Load a checkpoint into our model: a Hugging Face directory (config.json + safetensors, single or sharded,
+full precision or saved quantized by `switchyard engine quantize`) or a GGUF file (hosted/gguf_loader.py).
 
-Nothing is downloaded: every file must already be in the directory, and whatever is missing is named.
+Nothing is downloaded: every file must already be there, and whatever is missing is named.
 """
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
+from tqdm import tqdm
 
+from hosted import gguf_loader
 from hosted.config import ConfigError, ModelConfig
-from hosted.layers.linear import check_model_quantizable, quantize_model
+from hosted.gguf_loader import INT4_GROUP_SIZE
+from hosted.layers.linear import check_model_quantizable, quantizable_linears, quantize_model
+from hosted.models import resolve_model_path
 from hosted.models.llama import LlamaForCausalLM
 from kernels import ops
 
@@ -66,28 +73,97 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
 
 def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                quantization: str | None = None, quantization_group_size: int = 128,
-               kernels: ops.Kernels | None = None) -> LlamaForCausalLM:
-    """Build the model on `device` and fill it from the checkpoint. With `quantization` ("int8" | "int4"),
-    every decoder-layer linear is then quantized in place and its `dtype` weight freed (see
-    hosted/layers/linear.py); the embedding and lm_head stay in `dtype`. The model's layers call `kernels`
-    (default: the backend for `device`, chosen now)."""
-    files = safetensors_files(model_dir)  # fail on missing files before allocating anything
+               kernels: ops.Kernels | None = None, progress: bool = False) -> LlamaForCausalLM:
+    """Build the model on `device` and fill it from the checkpoint: a HF directory, a GGUF file
+    (hosted/gguf_loader.py) or a `package:` reference to either (hosted/models). With `quantization`
+    ("int8" | "int4"), every decoder-layer linear is then quantized in place and its `dtype` weight freed (see
+    hosted/layers/linear.py); the embedding and lm_head stay in `dtype`. Linears that arrive quantized (a
+    checkpoint saved by `switchyard engine quantize`, GGUF Q4_0/Q4_1 blocks under int4 with group size 32)
+    are loaded as they are. The model's layers call `kernels` (default: the backend for `device`, chosen
+    now). `progress` shows a bar over the tensors read."""
+    path = resolve_model_path(model_dir)
+    # Fail on missing files, tensors or bad types before allocating anything.
+    weights = gguf_loader.GGUFWeights(path, cfg) if gguf_loader.is_gguf(path) else None
+    files = safetensors_files(path) if weights is None else []
+    scheme, group_size = _checkpoint_scheme(cfg, quantization, quantization_group_size)
     with torch.device(device):
         model = LlamaForCausalLM(cfg, dtype, device, kernels if kernels is not None else ops.select(device))  # torch.empty: pages are touched only when loaded
     model.eval()
-    if quantization is not None:
-        check_model_quantizable(model, quantization, quantization_group_size)  # before reading any weight
-    load_weights(model, files)
-    if quantization is not None:
-        quantize_model(model, quantization, quantization_group_size)
+    if scheme is not None:
+        check_model_quantizable(model, scheme, group_size)  # before reading any weight
+    if cfg.quantization is not None:  # saved quantized: every quantizable linear arrives as qweight/scales
+        for _, layer in quantizable_linears(model):
+            layer.init_quantized_(cfg.quantization, cfg.quantization_group_size)
+    if weights is not None:
+        int4_names = _map_gguf_int4(model, weights) if (scheme, group_size) == ("int4", INT4_GROUP_SIZE) else set()
+        total = len(weights.tensors) + 2 * len(int4_names)  # an int4 part comes as qweight, scales, zeros
+        load_tensors(model, _progress(weights.named_tensors(frozenset(int4_names)), progress, total), str(path))
+    else:
+        load_weights(model, files, progress)
+    if scheme is not None:
+        quantize_model(model, scheme, group_size, progress=progress)  # skips the linears loaded quantized
         if device.type == "cuda":
             # Hand the freed full-precision weights back to the driver: the KV pool is sized from free memory.
             torch.cuda.empty_cache()
     return model
 
 
-def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
-    """Copy every checkpoint tensor into its (possibly merged) parameter; error on gaps or strays."""
+def _checkpoint_scheme(cfg: ModelConfig, quantization: str | None, group_size: int) -> tuple[str | None, int]:
+    """The quantization the loaded model ends up with: the one requested, or the one the checkpoint was saved
+    with (a request for another one fails: re-quantizing quantized weights would round twice)."""
+    if cfg.quantization is None:
+        return quantization, group_size
+    saved = (cfg.quantization, cfg.quantization_group_size if cfg.quantization == "int4" else 0)
+    if quantization is not None and (quantization, group_size if quantization == "int4" else 0) != saved:
+        what = f"{cfg.quantization}" + (f" with group size {saved[1]}" if saved[1] else "")
+        raise ConfigError(f"the checkpoint is already quantized ({what}); drop --quantization (or ask for the "
+                          f"same scheme), or quantize the unquantized checkpoint instead")
+    return cfg.quantization, cfg.quantization_group_size
+
+
+def _map_gguf_int4(model: LlamaForCausalLM, weights: gguf_loader.GGUFWeights) -> set[str]:
+    """Turn every quantizable linear whose parts are all Q4_0/Q4_1 into empty int4 g32 parameters; return the
+    HF names of those parts (to be read as int4 blocks rather than dequantized)."""
+    types = weights.types()
+    names: set[str] = set()
+    for name, layer in quantizable_linears(model):
+        parts = [_hf_name(f"{name}.weight", i if len(layer.shard_sizes) > 1 else None)
+                 for i in range(len(layer.shard_sizes))]
+        if all(types.get(p) in gguf_loader.INT4_TYPES for p in parts):
+            layer.init_quantized_("int4", INT4_GROUP_SIZE)
+            names.update(parts)
+    return names
+
+
+def _progress(items: Iterable[Any], enabled: bool, total: int | None = None) -> Iterable[Any]:
+    return tqdm(items, total=total, desc="loading tensors", unit="tensor") if enabled else items
+
+
+def load_weights(model: LlamaForCausalLM, files: list[Path], progress: bool = False) -> None:
+    """Copy every tensor of the safetensors `files` into its (possibly merged) parameter."""
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu"):
+                pass
+        except Exception as exc:  # safetensors raises its own SafetensorError (not an OSError) on a bad file
+            raise ConfigError(f"{str(file)!r} is not a readable safetensors file: {exc}") from exc
+    load_tensors(model, _progress(_safetensors_tensors(files), progress), ", ".join(str(f) for f in files))
+
+
+def _safetensors_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                try:
+                    tensor = f.get_tensor(name)
+                except Exception as exc:
+                    raise ConfigError(f"{str(file)!r}: tensor {name!r} cannot be read "
+                                      f"(truncated or corrupt file): {exc}") from exc
+                yield name, tensor
+
+
+def load_tensors(model: LlamaForCausalLM, named: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
+    """Copy every (HF name, tensor) into its (possibly merged) parameter; error on gaps or strays."""
     cfg = model.config
     params = dict(model.named_parameters())
     # Every (parameter, shard) that must be filled: merged Linears need each of their parts.
@@ -102,28 +178,23 @@ def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
             expected.add((name, None))
     loaded: set[tuple[str, int | None]] = set()
     unexpected: list[str] = []
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for hf_name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-                target = _map_name(hf_name, cfg)
-                if target is None:
-                    continue
-                if target == ("", None):
-                    unexpected.append(hf_name)
-                    continue
-                name, shard = target
-                if name not in params:
-                    unexpected.append(hf_name)
-                    continue
-                _copy_into(model, params[name], name, shard, f.get_tensor(hf_name), hf_name)
-                loaded.add((name, shard))
+    for hf_name, tensor in named:
+        target = _map_name(hf_name, cfg)
+        if target is None:
+            continue
+        name, shard = target
+        if target == ("", None) or name not in params:
+            unexpected.append(hf_name)
+            continue
+        _copy_into(model, params[name], name, shard, tensor, hf_name)
+        loaded.add((name, shard))
     if unexpected:
-        raise ConfigError(f"checkpoint holds tensors this {cfg.architecture} model does not use: "
+        raise ConfigError(f"{source}: checkpoint holds tensors this {cfg.architecture} model does not use: "
                           f"{', '.join(unexpected[:10])}{' …' if len(unexpected) > 10 else ''}")
     missing = expected - loaded
     if missing:
         names = sorted(_hf_name(n, s) for n, s in missing)
-        raise ConfigError(f"checkpoint lacks weights for: {', '.join(names[:10])}"
+        raise ConfigError(f"{source}: checkpoint lacks weights for: {', '.join(names[:10])}"
                           f"{' …' if len(names) > 10 else ''}")
 
 
@@ -151,6 +222,23 @@ def _map_name(hf_name: str, cfg: ModelConfig) -> tuple[str, int | None] | None:
     return "", None
 
 
+def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    """The model's parameters under the checkpoint names `load_tensors` reads (merged qkv / gate_up split back
+    into their HF parts; quantized linears as NAME.qweight / .scales / .zeros): the inverse of loading. The
+    tensors are copies on the CPU, so the dict can be saved with safetensors."""
+    out: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        module = model.get_submodule(name.rpartition(".")[0])
+        shards = getattr(module, "shard_sizes", None)
+        if shards is not None and len(shards) > 1:
+            for i in range(len(shards)):
+                start, end = module.shard_offset(i)
+                out[_hf_name(name, i)] = param.detach()[start:end].to("cpu", copy=True).contiguous()
+        else:
+            out[_hf_name(name, None)] = param.detach().to("cpu", copy=True).contiguous()
+    return out
+
+
 def _hf_name(name: str, shard: int | None) -> str:
     """The checkpoint tensor name that fills our (param, shard), for error messages."""
     if name in ("embed_tokens.weight", "norm.weight"):
@@ -173,4 +261,6 @@ def _copy_into(model: LlamaForCausalLM, param: torch.nn.Parameter, name: str, sh
         dst = dst[start:end]
     if tuple(dst.shape) != tuple(tensor.shape):
         raise ConfigError(f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, the config implies {tuple(dst.shape)}")
+    if not dst.dtype.is_floating_point and tensor.dtype != dst.dtype:  # quantized parts are never converted
+        raise ConfigError(f"tensor {hf_name!r} has dtype {tensor.dtype}, the quantized layer holds {dst.dtype}")
     dst.copy_(tensor)

@@ -1,7 +1,8 @@
 """Prometheus metrics of the engine server, in a registry of its own (one per app, so tests can run many).
 
 Latency histograms are observed per request by the server; engine gauges (running/waiting requests,
-KV blocks, prefix-cache hit rate, busy fraction) are read from the AsyncLLMEngine when /metrics is scraped.
+KV blocks, prefix-cache hit rate, busy fraction, speculative-decoding totals) are read from the AsyncLLMEngine
+when /metrics is scraped.
 """
 from __future__ import annotations
 
@@ -59,6 +60,14 @@ class EngineMetrics:
                                    registry=r)
         self.preemptions = Gauge(p + "preemptions", "Sequences preempted (recomputed) since start", registry=r)
         self.ready = Gauge(p + "ready", "1 once the model is loaded", registry=r)
+        # Speculative decoding: counters advanced by the engine's totals at each scrape.
+        self.spec_proposed = Counter(p + "spec_proposed_tokens", "Draft tokens verified by the target model",
+                                     registry=r)
+        self.spec_accepted = Counter(p + "spec_accepted_tokens", "Draft tokens accepted (kept as output)",
+                                     registry=r)
+        self.spec_acceptance = Gauge(p + "spec_acceptance_rate", "Draft tokens accepted / verified, since start",
+                                     registry=r)
+        self._spec_seen = (0, 0)
 
     def observe_request(self, status: str) -> None:
         self.requests.labels(status=status).inc()
@@ -78,4 +87,9 @@ class EngineMetrics:
             self.prefix_query_tokens.set(s.prefix_queries_tokens)
             self.busy_fraction.set(engine.utilisation())
             self.preemptions.set(s.num_preemptions)
+            seen_proposed, seen_accepted = self._spec_seen
+            self.spec_proposed.inc(max(0, s.spec_proposed_tokens - seen_proposed))
+            self.spec_accepted.inc(max(0, s.spec_accepted_tokens - seen_accepted))
+            self._spec_seen = (max(seen_proposed, s.spec_proposed_tokens), max(seen_accepted, s.spec_accepted_tokens))
+            self.spec_acceptance.set(s.spec_accepted_tokens / s.spec_proposed_tokens if s.spec_proposed_tokens else 0.0)
         return generate_latest(self.registry)

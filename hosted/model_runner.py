@@ -98,7 +98,8 @@ class ModelRunner:
     # ---- one step ---------------------------------------------------------------------------------
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor | None, list[Sequence]]:
         """Forward the batch. Returns fp32 logits [S, V] for the sequences that reach their end this step
-        (and so sample a token), with those sequences in row order; (None, []) if none do."""
+        (and so sample a token), with those sequences in row order; (None, []) if none do. A sequence verifying
+        draft tokens gets 1 + len(seq.spec_token_ids) consecutive rows."""
         input_ids, positions, meta, logits_indices, sample_seqs = self.prepare(batch)
         if not sample_seqs:
             # Only partial prefill chunks: the forward still has to fill the KV cache.
@@ -124,13 +125,18 @@ class ModelRunner:
             end = start + n
             table = seq.block_table
             input_ids.extend(seq.token_ids[start:end])
+            num_spec = end - seq.num_tokens  # > 0: a decode verifying draft tokens (hosted/spec/)
+            if num_spec > 0:
+                assert num_spec == len(seq.spec_token_ids), "scheduled tokens do not match the draft"
+                input_ids.extend(seq.spec_token_ids)
             positions.extend(range(start, end))
             if n == 1:
                 slots.append(table[start // bs] * bs + start % bs)
             else:
                 slots.extend([table[p // bs] * bs + p % bs for p in range(start, end)])
-            if end == seq.num_tokens:
-                logits_indices.append(len(input_ids) - 1)
+            if end >= seq.num_tokens:
+                # The last token's row, plus one row per draft token to verify.
+                logits_indices.extend(range(len(input_ids) - 1 - max(num_spec, 0), len(input_ids)))
                 sample_seqs.append(seq)
             if i < batch.num_decodes:
                 dec_tables.append(table)

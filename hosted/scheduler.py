@@ -3,7 +3,9 @@
 Order of service within a step's token budget (max_num_batched_tokens):
 1. running sequences that are decoding (one token each), oldest first;
 2. running sequences still prefilling, as chunks of whatever budget remains, oldest first;
-3. waiting sequences (preempted ones first, then new arrivals), with prefix-cache hits, as chunks.
+3. waiting sequences (preempted ones first, then new arrivals), with prefix-cache hits, as chunks;
+4. draft tokens of decodes that speculate (hosted/spec/), with what budget and free blocks are left: such a
+   decode then feeds 1 + k tokens, as a prefill chunk over its cached context.
 When the block pool runs dry for a running sequence, the newest running sequence is preempted: its
 blocks are freed and it goes back to the front of the waiting queue to be recomputed later.
 """
@@ -58,7 +60,8 @@ class Scheduler:
         batch = ScheduledBatch()
         scheduled: dict[int, int] = {}  # id(seq) -> tokens, for seqs picked this step
         budget = self._schedule_running(scheduled, batch)
-        self._admit_waiting(budget, scheduled)
+        budget = self._admit_waiting(budget, scheduled)
+        self._add_drafts(budget, scheduled)
         self._emit(scheduled, batch)
         return batch
 
@@ -80,8 +83,9 @@ class Scheduler:
             budget = self.max_num_batched_tokens - sum(scheduled.values())
         return budget
 
-    def _admit_waiting(self, budget: int, scheduled: dict[int, int]) -> None:
-        """Then waiting sequences, oldest first, while the budget, the batch and the KV pool allow."""
+    def _admit_waiting(self, budget: int, scheduled: dict[int, int]) -> int:
+        """Then waiting sequences, oldest first, while the budget, the batch and the KV pool allow; returns the
+        token budget left."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hit_ids: list[int] = []
@@ -105,6 +109,7 @@ class Scheduler:
             self._insert_running(seq)
             scheduled[id(seq)] = n
             budget -= n
+        return budget
 
     def _emit(self, scheduled: dict[int, int], batch: ScheduledBatch) -> None:
         """In the order the model runner wants: decodes first, then prefill chunks."""
@@ -118,6 +123,27 @@ class Scheduler:
             if n is not None and not (n == 1 and seq.num_uncomputed == 1):
                 batch.items.append((seq, n))
         batch.num_tokens = sum(n for _, n in batch.items)
+
+    def _add_drafts(self, budget: int, scheduled: dict[int, int]) -> None:
+        """Last, decodes with draft tokens (hosted/spec/) verify as many of them, oldest sequence first, as the
+        budget and the free blocks left over allow: drafts never preempt, delay or keep out other work."""
+        for seq in self.running:
+            spec = seq.spec_token_ids
+            if not spec:
+                continue
+            if scheduled.get(id(seq)) != 1 or seq.num_uncomputed != 1:
+                del spec[:]  # not decoding this step
+            del spec[budget:]
+            while spec and not self.bm.can_allocate(seq, seq.num_computed_tokens + 1 + len(spec)):
+                spec.pop()
+            if not spec:
+                seq.spec_draft_probs = None
+                continue
+            if seq.spec_draft_probs is not None:
+                seq.spec_draft_probs = seq.spec_draft_probs[:len(spec)]
+            self.bm.allocate(seq, seq.num_computed_tokens + 1 + len(spec))
+            scheduled[id(seq)] = 1 + len(spec)
+            budget -= len(spec)
 
     def _reserve_running(self, seq: Sequence, n: int, scheduled: dict[int, int], batch: ScheduledBatch) -> bool:
         """Make room for n more tokens of a running seq, preempting the newest running seqs as needed."""
@@ -133,6 +159,8 @@ class Scheduler:
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.running.remove(seq)
         self.bm.free(seq)
+        seq.spec_token_ids.clear()
+        seq.spec_draft_probs = None
         seq.status = SeqStatus.WAITING
         # Back into the waiting queue by arrival, i.e. ahead of every request that came after it.
         i = 0

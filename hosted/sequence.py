@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -42,6 +43,14 @@ class Sequence:
     finish_reason: str | None = None
     # Counts of generated tokens, only kept for requests with presence/frequency penalties.
     output_counts: dict[int, int] | None = None
+    # Speculative decoding (hosted/spec/): draft tokens verified this step after the last token (a decode
+    # then feeds 1 + len(spec_token_ids) tokens), their draft distributions ([k, V], None = point masses),
+    # the request's totals, and the proposer's per-sequence state.
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_draft_probs: torch.Tensor | None = None
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    spec_state: Any = None
 
     @property
     def num_tokens(self) -> int:

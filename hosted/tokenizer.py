@@ -186,10 +186,22 @@ class Tokenizer:
 
     # ---------------------------------------------------------------- loading
     @classmethod
+    def from_gguf(cls, path: str | Path) -> Tokenizer:
+        """The tokenizer a GGUF file's metadata describes (hosted/gguf_tokenizer.py)."""
+        from hosted.gguf_tokenizer import tokenizer_from_gguf
+
+        return tokenizer_from_gguf(path)
+
+    @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
         """Load tokenizer.json plus tokenizer_config.json / special_tokens_map.json / chat_template.jinja /
-        generation_config.json / config.json from a Hugging Face checkpoint directory."""
-        path = Path(model_dir)
+        generation_config.json / config.json from a Hugging Face checkpoint directory. A GGUF file (or a
+        `package:` reference, hosted/models) is read with from_gguf."""
+        from hosted.models import is_gguf, resolve_model_path
+
+        path = resolve_model_path(model_dir)
+        if is_gguf(path):
+            return cls.from_gguf(path)
         tok_path = path / "tokenizer.json"
         if not tok_path.is_file():
             raise TokenizerError(f"{str(tok_path)!r} is missing: the engine needs a fast tokenizer "
@@ -227,6 +239,20 @@ class Tokenizer:
                 eos_ids.append(tid)
         return cls(hf_tok, special_tokens=special, chat_templates=templates, eos_token_ids=eos_ids,
                    name=path.name)
+
+    def save(self, directory: str | Path) -> None:
+        """Write tokenizer.json and tokenizer_config.json (special tokens, chat templates) so that from_dir
+        reads this tokenizer back (e.g. a GGUF file's, into a self-contained checkpoint directory)."""
+        path = Path(directory)
+        path.mkdir(parents=True, exist_ok=True)
+        self._tok.save(str(path / "tokenizer.json"))
+        config: dict[str, Any] = {**self.special_tokens, "tokenizer_class": "PreTrainedTokenizerFast"}
+        if self._templates_src:
+            names = list(self._templates_src)
+            config["chat_template"] = (self._templates_src["default"] if names == ["default"] else
+                                       [{"name": n, "template": t} for n, t in self._templates_src.items()])
+        (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n",
+                                                    encoding="utf-8")
 
     # ---------------------------------------------------------------- tokens
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -13,6 +13,7 @@ import logging
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from hosted.config import INT4_GROUP_SIZES, QUANTIZATION_SCHEMES, ConfigError
 from kernels import ops
@@ -68,6 +69,30 @@ class Linear(nn.Module):
             q, scales, zeros = ops.quantize_int4(w, group_size, symmetric=False)
             self.group_size = group_size
         del w
+        self.qweight = nn.Parameter(q, requires_grad=False)
+        self.scales = nn.Parameter(scales, requires_grad=False)
+        self.zeros = nn.Parameter(zeros, requires_grad=False) if zeros is not None else None
+        self.quantization = scheme
+
+    def init_quantized_(self, scheme: str, group_size: int = 128) -> None:
+        """Replace the full-precision weight by empty quantized parameters of `scheme`, for a loader to fill
+        (a checkpoint saved quantized, or GGUF 4-bit blocks that are already our int4): no rounding here."""
+        check_quantizable(self.in_features, scheme, group_size)
+        if self.quantization is not None:
+            raise RuntimeError(f"layer is already quantized ({self.quantization})")
+        self.packed = None
+        device = self.weight.device
+        del self.weight
+        n, k = self.out_features, self.in_features
+        if scheme == "int8":
+            q = torch.empty(n, k, dtype=torch.int8, device=device)
+            scales = torch.empty(n, dtype=torch.float32, device=device)
+            zeros = None
+        else:
+            q = torch.empty(n, k // 2, dtype=torch.uint8, device=device)
+            scales = torch.empty(n, k // group_size, dtype=torch.float32, device=device)
+            zeros = torch.empty(n, k // group_size, dtype=torch.float32, device=device)
+            self.group_size = group_size
         self.qweight = nn.Parameter(q, requires_grad=False)
         self.scales = nn.Parameter(scales, requires_grad=False)
         self.zeros = nn.Parameter(zeros, requires_grad=False) if zeros is not None else None
@@ -147,12 +172,20 @@ def check_model_quantizable(model: nn.Module, scheme: str, group_size: int,
 
 
 def quantize_model(model: nn.Module, scheme: str, group_size: int = 128,
-                   skip: tuple[str, ...] = ("lm_head",)) -> dict[str, int]:
+                   skip: tuple[str, ...] = ("lm_head",), progress: bool = False) -> dict[str, int]:
     """Quantize every Linear except `skip` in place, one layer at a time (peak memory: the loaded model
-    plus one layer's temporaries). Returns weight bytes of the converted layers before and after."""
+    plus one layer's temporaries). Returns weight bytes of the converted layers before and after.
+    `progress` shows a bar over the layers."""
     check_model_quantizable(model, scheme, group_size, skip)
     before = after = 0
-    for _, layer in quantizable_linears(model, skip):
+    layers = quantizable_linears(model, skip)
+    for name, layer in tqdm(layers, desc=f"quantizing to {scheme}", unit="layer", disable=not progress):
+        if layer.quantization is not None:  # loaded quantized (init_quantized_): nothing to convert
+            if (layer.quantization, layer.group_size if scheme == "int4" else 0) != \
+                    (scheme, group_size if scheme == "int4" else 0):
+                raise ConfigError(f"{name} is already quantized ({layer.quantization}"
+                                  f"{f' g{layer.group_size}' if layer.group_size else ''}), not {scheme}")
+            continue
         before += layer.weight.numel() * layer.weight.element_size()
         layer.quantize_(scheme, group_size)
         after += sum(t.numel() * t.element_size() for t in (layer.qweight, layer.scales, layer.zeros)

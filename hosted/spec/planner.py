@@ -1,0 +1,150 @@
+"""How many draft tokens each decode verifies this step: the choice with the best expected goodput (tokens
+emitted per second of step time), from measured step costs and acceptance rates, as SmartSpec does.
+
+With per-token acceptance rate a, verifying k drafts emits E(k) = 1 + a + ... + a^k tokens in expectation.
+A step that verifies k_i drafts for decode i costs target(T + sum k_i) + draft steps, where T is what the
+step feeds anyway. Draft tokens are added one at a time, best expected gain a_i^j first, and the step keeps
+the prefix of additions with the highest (sum E) / cost; zero additions (no speculation) is a candidate, so
+speculation is off whenever verifying would cost more than it is expected to save.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+
+_LOG_BUCKET = math.log(1.125)
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """E[tokens emitted] verifying k drafts with per-token acceptance alpha (iid): sum of alpha^j, j = 0..k."""
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+@dataclass(slots=True)
+class StepCost:
+    """Seconds of one forward as a function of the tokens fed: an exponentially weighted mean per bucket of
+    token counts (exact up to 16, then about 12% wide), linear between buckets, made non-decreasing, and
+    proportional outside the buckets seen. Both extrapolations err towards no speculation, whose cost is then
+    measured by the steps it makes: beyond the largest bucket verification is charged in full, and below the
+    smallest a plain step looks cheap."""
+
+    weight: float = 0.1  # of a new observation in its bucket's mean
+    _buckets: dict[int, list[float]] = field(default_factory=dict)  # bucket -> [mean tokens, mean seconds]
+    _xs: list[float] = field(default_factory=list)
+    _ys: list[float] = field(default_factory=list)
+    _dirty: bool = False
+
+    @property
+    def known(self) -> bool:
+        return bool(self._buckets)
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens < 1 or seconds <= 0:
+            return
+        key = tokens if tokens <= 16 else 16 + round(math.log(tokens / 16) / _LOG_BUCKET)
+        entry = self._buckets.get(key)
+        if entry is None:
+            self._buckets[key] = [float(tokens), seconds]
+        else:
+            w = self.weight
+            entry[0] += w * (tokens - entry[0])
+            entry[1] += w * (seconds - entry[1])
+        self._dirty = True
+
+    def __call__(self, tokens: float) -> float:
+        if tokens <= 0:
+            return 0.0
+        if self._dirty:
+            self._rebuild()
+        xs, ys = self._xs, self._ys
+        if not xs:
+            return 0.0
+        if tokens >= xs[-1]:
+            return ys[-1] * tokens / xs[-1]
+        i = bisect.bisect_left(xs, tokens)
+        if i == 0:
+            return ys[0] * tokens / xs[0]
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
+
+    def _rebuild(self) -> None:
+        points = sorted(self._buckets.values())
+        self._xs, self._ys = [], []
+        top = 0.0
+        for x, y in points:
+            if self._xs and x <= self._xs[-1]:
+                continue
+            top = max(top, y)
+            self._xs.append(x)
+            self._ys.append(top)
+        self._dirty = False
+
+
+@dataclass(slots=True)
+class Acceptance:
+    """Per-token acceptance rate with exponential forgetting: accepted / examined drafts, where a step that
+    accepts a of k examined a + 1 (a < k) or k (a == k), the maximum-likelihood estimate for iid acceptance."""
+
+    decay: float = 0.9
+    accepted: float = 0.0
+    examined: float = 0.0
+
+    def update(self, proposed: int, accepted: int) -> None:
+        if proposed <= 0:
+            return
+        self.accepted = self.accepted * self.decay + accepted
+        self.examined = self.examined * self.decay + accepted + (1 if accepted < proposed else 0)
+
+    def rate(self, prior: float, prior_weight: float = 2.0) -> float:
+        return (self.accepted + prior * prior_weight) / (self.examined + prior_weight)
+
+
+@dataclass(slots=True)
+class Candidate:
+    max_k: int  # drafts available (capped by K, max_tokens and the context)
+    alpha: float  # its estimated acceptance rate
+    lag: int = 1  # tokens the draft model feeds for it in its first forward (catching up)
+
+
+def choose(cands: list[Candidate], base_tokens: int, num_decodes: int, budget: int, target: StepCost,
+           draft: StepCost | None, per_seq: float = 0.0) -> list[int]:
+    """k per candidate maximising expected goodput. `base_tokens`: what the step feeds without speculation;
+    `num_decodes`: tokens it emits without; `budget`: the most tokens a step may feed; `draft`: the draft
+    model's cost per forward (None: proposals are free, as n-grams); `per_seq`: seconds a verifying decode
+    costs beyond its tokens (it leaves the batched decode path for the per-sequence prefill one)."""
+    ks = [0] * len(cands)
+    if not target.known:
+        return [c.max_k for c in cands]  # nothing measured yet: explore
+    gains = sorted(((c.alpha ** j, i) for i, c in enumerate(cands) for j in range(1, c.max_k + 1)), reverse=True)
+    tokens = base_tokens
+    emitted = float(num_decodes)
+    draft_rows: list[int] = []  # tokens draft forward j feeds: one per sequence proposing more than j (its lag
+    draft_seconds = 0.0          # in the first forward)
+    extra = 0.0  # verifying sequences' own cost
+    best = emitted / max(target(tokens), 1e-9)
+    best_n = 0
+    for n, (gain, i) in enumerate(gains, start=1):
+        if tokens + 1 > budget:
+            break
+        tokens += 1
+        emitted += gain
+        j = ks[i]
+        if j == 0:
+            extra += per_seq
+        if draft is not None:
+            if j == len(draft_rows):
+                draft_rows.append(0)
+            rows = cands[i].lag if j == 0 else 1
+            draft_seconds += draft(draft_rows[j] + rows) - draft(draft_rows[j])
+            draft_rows[j] += rows
+        ks[i] += 1
+        goodput = emitted / max(target(tokens) + extra + draft_seconds, 1e-9)
+        if goodput > best:
+            best, best_n = goodput, n
+    ks = [0] * len(cands)
+    for _, i in gains[:best_n]:
+        ks[i] += 1
+    return ks
