@@ -25,7 +25,7 @@ from hosted.sequence import Sequence
 from hosted.spec import rejection
 from hosted.spec.draft import DraftProposer
 from hosted.spec.ngram import NgramIndex
-from hosted.spec.planner import Acceptance, Candidate, StepCost, choose
+from hosted.spec.planner import Acceptance, BackOff, Candidate, StepCost, choose
 
 PROBE_EVERY = 32  # steps without speculation after which a sequence may verify one draft, to re-measure
 PROBE_COST = 0.02  # the most a probe may cost, as a fraction of the sequence's share of the steps since
@@ -40,7 +40,7 @@ class SeqSpec:
 
     acceptance: Acceptance
     ngram: NgramIndex | None = None
-    idle: int = 0  # steps since it last verified a draft
+    since: int = 0  # the decoder's step count when it last verified a draft (or arrived)
     kind: int = 0  # what its pending proposal came from: the n-gram match length (0: the draft model)
 
 
@@ -76,6 +76,8 @@ class SpecDecoder:
         self.num_accepted = 0  # of them, kept as output
         self.propose_seconds = 0.0
         self._pending: list[Sequence] = []
+        self._step = 0  # propose() calls so far
+        self.backoff = BackOff()  # adaptive: skip planning while the planner keeps speculation off
 
     # ---- before scheduling ------------------------------------------------------------------------
     def propose(self, scheduler: Scheduler) -> None:
@@ -86,13 +88,18 @@ class SpecDecoder:
             seq.spec_token_ids = []
             seq.spec_draft_probs = None
         self._pending = []
+        self._step += 1
         decodes = [s for s in scheduler.running if s.num_uncomputed == 1]
+        if self.adaptive and not self.backoff.ready(len(decodes)):
+            self.propose_seconds = time.perf_counter() - t0
+            return
         seqs, cands, proposals = [], [], []
         for seq in decodes:
             state = seq.spec_state
             if state is None:
                 state = seq.spec_state = SeqSpec(Acceptance(decay=SEQ_DECAY),
-                                                 NgramIndex(*self.ngram_sizes) if self.draft is None else None)
+                                                 NgramIndex(*self.ngram_sizes) if self.draft is None else None,
+                                                 since=self._step)
             cap = min(self.k_max, seq.params.max_tokens - seq.num_output_tokens - 1,
                       self.max_model_len - seq.num_tokens - 1)
             if state.ngram is not None:
@@ -111,6 +118,7 @@ class SpecDecoder:
                 base = self._base_tokens(scheduler, len(decodes))
                 ks = choose(cands, base, len(decodes), self.budget, self.target_cost,
                             self.draft.cost if self.draft is not None else None, self.verify_overhead)
+                self.backoff.record(any(ks), len(decodes))  # the planner's choice: probes do not end it
                 self._probe(seqs, ks, base, len(decodes))
             else:
                 ks = [c.max_k for c in cands]
@@ -132,16 +140,18 @@ class SpecDecoder:
         """Give one draft to a sequence the planner has kept off for PROBE_EVERY steps, to re-measure its
         acceptance, when that costs at most PROBE_COST of its share of the steps since (a draft model first
         catches up on every token it missed, so an expensive draft once switched off stays off; at high batch a
-        sequence's share of a step is small, so nobody probes)."""
+        sequence's share of a step is small, so nobody probes). Steps skipped by the back-off count as idle."""
         step = self.target_cost(base)
         extra = self.target_cost(base + 1) - step + self.verify_overhead
         for i, seq in enumerate(seqs):
             state = seq.spec_state
-            if ks[i] == 0 and state.idle >= PROBE_EVERY:
+            idle = self._step - state.since
+            if ks[i] == 0 and idle >= PROBE_EVERY:
                 cost = extra + (self.draft.cost(self.draft.lag(seq)) if self.draft is not None else 0.0)
-                if cost <= PROBE_COST * state.idle * step / num_decodes:
+                if cost <= PROBE_COST * idle * step / num_decodes:
                     ks[i] = 1
-            state.idle = 0 if ks[i] else state.idle + 1
+            if ks[i]:
+                state.since = self._step + 1  # idle from the next step on
 
     # ---- after the forward ------------------------------------------------------------------------
     def sample(self, logits: torch.Tensor, seqs: list[Sequence], sampler: Sampler) -> list[Sampled]:

@@ -26,9 +26,11 @@ class NgramIndex:
         """Up to k tokens continuing `tokens`, or [] when its last n_min tokens never occurred before."""
         last = len(tokens) - 1
         after = self._after
-        for end in range(self._indexed, last):
-            for n in range(self.n_min, min(self.n_max, end + 1) + 1):
-                after[tuple(tokens[end - n + 1:end + 1])] = end + 1
+        for n in range(self.n_min, self.n_max + 1):  # in C: the n-grams ending at first..last-1, in order
+            first = max(self._indexed, n - 1)
+            if first < last:
+                grams = zip(*(tokens[first - n + 1 + i:last - n + 1 + i] for i in range(n)))
+                after.update(zip(grams, range(first + 1, last + 1)))
         self._indexed = max(self._indexed, last)
         self.matched = 0
         if k <= 0:

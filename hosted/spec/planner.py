@@ -148,3 +148,44 @@ def choose(cands: list[Candidate], base_tokens: int, num_decodes: int, budget: i
     for _, i in gains[:best_n]:
         ks[i] += 1
     return ks
+
+
+@dataclass(slots=True)
+class BackOff:
+    """When to plan at all: after `patience` consecutive plans in which the planner chose no drafts for anyone,
+    skip planning (and proposing) for 1 step, then 2, 4, ... up to `max_skip`, so that speculation switched off
+    costs next to nothing; each plan after a skip re-tests (with the step costs measured meanwhile). A plan with
+    any drafts, or far fewer decodes than when the streak began (a smaller batch favours speculation), ends it.
+
+    Per step: `ready(num_decodes)`; when it says True, plan and then `record(any_drafts, num_decodes)`.
+    """
+
+    patience: int = 4
+    max_skip: int = 64
+    shrink: float = 0.75  # fewer decodes than this fraction of the streak's first plan's: plan again now
+    streak: int = 0  # consecutive plans without drafts
+    skip: int = 0  # steps the current back-off skips (0: none yet)
+    left: int = 0  # steps still to skip
+    decodes: int = 0  # decodes at the streak's first plan
+
+    def ready(self, num_decodes: int) -> bool:
+        if self.left > 0 and num_decodes >= self.shrink * self.decodes:
+            self.left -= 1
+            return False
+        if self.left > 0:
+            self.reset()
+        return True
+
+    def record(self, any_drafts: bool, num_decodes: int) -> None:
+        if any_drafts:
+            self.reset()
+            return
+        if self.streak == 0:
+            self.decodes = num_decodes
+        self.streak += 1
+        if self.streak >= self.patience:
+            self.skip = min(self.max_skip, max(1, 2 * self.skip))
+            self.left = self.skip
+
+    def reset(self) -> None:
+        self.streak = self.skip = self.left = self.decodes = 0

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from hosted.spec.ngram import NgramIndex
-from hosted.spec.planner import Acceptance, Candidate, StepCost, choose, expected_tokens
+from hosted.spec.planner import Acceptance, BackOff, Candidate, StepCost, choose, expected_tokens
 
 
 def _reference(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
@@ -98,3 +98,48 @@ def test_a_per_sequence_verify_overhead_can_outweigh_the_tokens():
     cheap = _cost([(1, 0.3e-3), (5, 0.4e-3), (200, 8e-3)])
     assert choose([Candidate(4, 0.8, lag=1)], 1, 1, 2048, target, cheap) == [4]
     assert choose([Candidate(4, 0.8, lag=200)], 1, 1, 2048, target, cheap) == [0]
+
+
+def _planned(backoff: BackOff, steps: int, decodes, drafts) -> list[int]:
+    """The steps (0-based) on which `backoff` lets the planner run; decodes(step) and drafts(step) say how many
+    decodes there are and whether the planner then chooses any drafts."""
+    out = []
+    for step in range(steps):
+        if backoff.ready(decodes(step)):
+            out.append(step)
+            backoff.record(drafts(step), decodes(step))
+    return out
+
+
+def test_backoff_skips_planning_exponentially_while_speculation_stays_off():
+    b = BackOff(patience=3, max_skip=8)
+    # Three plans without drafts, then skips of 1, 2, 4, 8, 8, ... steps between plans.
+    assert _planned(b, 60, lambda s: 32, lambda s: False) == [0, 1, 2, 4, 7, 12, 21, 30, 39, 48, 57]
+
+
+def test_backoff_ends_when_the_planner_speculates_again():
+    b = BackOff(patience=2, max_skip=64)
+    # Off until step 10: plans at 0, 1, then skips 1, 2, 4; the plan at step 11 chooses drafts, so the planner
+    # runs every step again until the streak builds up anew.
+    planned = _planned(b, 20, lambda s: 32, lambda s: s >= 11 and s < 14)
+    assert planned == [0, 1, 3, 6, 11, 12, 13, 14, 15, 17]
+    assert BackOff().ready(8)  # nothing recorded: plan
+
+
+def test_backoff_replans_at_once_when_the_batch_shrinks():
+    b = BackOff(patience=1, max_skip=64, shrink=0.75)
+    planned = _planned(b, 12, lambda s: 32 if s < 8 else 16, lambda s: False)
+    # skips 1, 2, 4 steps after plans at 0, 2, 5 (the next due at 10); the batch halves at step 8: plan now,
+    # and the back-off starts over from the new batch size.
+    assert planned == [0, 2, 5, 8, 10]
+
+
+@pytest.mark.parametrize("sizes", [(2, 4), (3, 3), (1, 1)])
+def test_ngram_index_other_sizes_match_a_full_search(sizes):
+    rng = random.Random(1)
+    for trial in range(10):
+        idx = NgramIndex(*sizes)
+        tokens = [rng.randrange(4) for _ in range(rng.randrange(1, 6))]
+        for _ in range(40):
+            assert idx.propose(tokens, 3) == _reference(tokens, 3, *sizes), (trial, tokens)
+            tokens.extend(rng.randrange(4) for _ in range(rng.randrange(1, 5)))
