@@ -37,9 +37,8 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 from hosted.config import ConfigError, ModelConfig
-from hosted.models import is_gguf
 
-__all__ = ["GGUFWeights", "dequantize", "int4_blocks", "is_gguf", "model_config", "open_gguf"]
+__all__ = ["GGUFWeights", "dequantize", "int4_blocks", "model_config", "open_gguf"]
 
 SUPPORTED_ARCHITECTURE = "llama"
 FLOAT_TYPES = (QT.F32, QT.F16, QT.BF16)

@@ -18,8 +18,8 @@ from tqdm import tqdm
 from hosted import gguf_loader
 from hosted.config import ConfigError, ModelConfig
 from hosted.gguf_loader import INT4_GROUP_SIZE
-from hosted.layers.linear import check_model_quantizable, quantizable_linears, quantize_model
-from hosted.models import resolve_model_path
+from hosted.layers.linear import check_model_quantizable, quantizable_linears, quantize_model, scheme_key
+from hosted.models import is_gguf, resolve_model_path
 from hosted.models.llama import LlamaForCausalLM
 from kernels import ops
 
@@ -83,11 +83,12 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, devi
     now). `progress` shows a bar over the tensors read."""
     path = resolve_model_path(model_dir)
     # Fail on missing files, tensors or bad types before allocating anything.
-    weights = gguf_loader.GGUFWeights(path, cfg) if gguf_loader.is_gguf(path) else None
+    weights = gguf_loader.GGUFWeights(path, cfg) if is_gguf(path) else None
     files = safetensors_files(path) if weights is None else []
     scheme, group_size = _checkpoint_scheme(cfg, quantization, quantization_group_size)
-    with torch.device(device):
-        model = LlamaForCausalLM(cfg, dtype, device, kernels if kernels is not None else ops.select(device))  # torch.empty: pages are touched only when loaded
+    kernels = kernels if kernels is not None else ops.select(device)
+    with torch.device(device):  # torch.empty: pages are touched only when loaded
+        model = LlamaForCausalLM(cfg, dtype, device, kernels)
     model.eval()
     if scheme is not None:
         check_model_quantizable(model, scheme, group_size)  # before reading any weight
@@ -113,8 +114,8 @@ def _checkpoint_scheme(cfg: ModelConfig, quantization: str | None, group_size: i
     with (a request for another one fails: re-quantizing quantized weights would round twice)."""
     if cfg.quantization is None:
         return quantization, group_size
-    saved = (cfg.quantization, cfg.quantization_group_size if cfg.quantization == "int4" else 0)
-    if quantization is not None and (quantization, group_size if quantization == "int4" else 0) != saved:
+    saved = scheme_key(cfg.quantization, cfg.quantization_group_size)
+    if quantization is not None and scheme_key(quantization, group_size) != saved:
         what = f"{cfg.quantization}" + (f" with group size {saved[1]}" if saved[1] else "")
         raise ConfigError(f"the checkpoint is already quantized ({what}); drop --quantization (or ask for the "
                           f"same scheme), or quantize the unquantized checkpoint instead")
@@ -141,18 +142,16 @@ def _progress(items: Iterable[Any], enabled: bool, total: int | None = None) -> 
 
 def load_weights(model: LlamaForCausalLM, files: list[Path], progress: bool = False) -> None:
     """Copy every tensor of the safetensors `files` into its (possibly merged) parameter."""
-    for file in files:
-        try:
-            with safe_open(str(file), framework="pt", device="cpu"):
-                pass
-        except Exception as exc:  # safetensors raises its own SafetensorError (not an OSError) on a bad file
-            raise ConfigError(f"{str(file)!r} is not a readable safetensors file: {exc}") from exc
     load_tensors(model, _progress(_safetensors_tensors(files), progress), ", ".join(str(f) for f in files))
 
 
 def _safetensors_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        try:
+            opened = safe_open(str(file), framework="pt", device="cpu")
+        except Exception as exc:  # safetensors raises its own SafetensorError (not an OSError) on a bad file
+            raise ConfigError(f"{str(file)!r} is not a readable safetensors file: {exc}") from exc
+        with opened as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                 try:
                     tensor = f.get_tensor(name)

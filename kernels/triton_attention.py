@@ -179,8 +179,8 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_tokens: int, block_n: i
 
 
 def _split_partials(out: torch.Tensor, num_splits: int):
-    """Per-split partial outputs and log-sum-exps (fp32) and their strides; with one split the kernel writes
-    `out` directly and these are unused placeholders."""
+    """Per-split partial outputs and log-sum-exps (fp32) and their strides. With one split the kernel writes
+    `out` directly and never reads these arguments, so `out` itself and zero strides are passed for them."""
     if num_splits == 1:
         return out, out, (0, 0, 0), (0, 0)
     batch, num_q_heads, head_dim = out.shape

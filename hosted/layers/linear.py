@@ -56,46 +56,47 @@ class Linear(nn.Module):
 
     def quantize_(self, scheme: str, group_size: int = 128) -> None:
         """Replace the full-precision weight by its quantized form, in place (the weight is freed)."""
-        check_quantizable(self.in_features, scheme, group_size)
-        if self.quantization is not None:
-            raise RuntimeError(f"layer is already quantized ({self.quantization})")
-        self.packed = None  # a packed copy of the weight being replaced is stale
-        w = self.weight.detach()
-        del self.weight  # drop the parameter so `w` is the last reference
+        w = self._release_weight(scheme, group_size)
         if scheme == "int8":
             q, scales = ops.quantize_int8(w)
             zeros = None
         else:
             q, scales, zeros = ops.quantize_int4(w, group_size, symmetric=False)
-            self.group_size = group_size
         del w
-        self.qweight = nn.Parameter(q, requires_grad=False)
-        self.scales = nn.Parameter(scales, requires_grad=False)
-        self.zeros = nn.Parameter(zeros, requires_grad=False) if zeros is not None else None
-        self.quantization = scheme
+        self._hold_quantized(scheme, group_size, q, scales, zeros)
 
     def init_quantized_(self, scheme: str, group_size: int = 128) -> None:
         """Replace the full-precision weight by empty quantized parameters of `scheme`, for a loader to fill
         (a checkpoint saved quantized, or GGUF 4-bit blocks that are already our int4): no rounding here."""
-        check_quantizable(self.in_features, scheme, group_size)
-        if self.quantization is not None:
-            raise RuntimeError(f"layer is already quantized ({self.quantization})")
-        self.packed = None
-        device = self.weight.device
-        del self.weight
+        device = self._release_weight(scheme, group_size).device
         n, k = self.out_features, self.in_features
         if scheme == "int8":
             q = torch.empty(n, k, dtype=torch.int8, device=device)
-            scales = torch.empty(n, dtype=torch.float32, device=device)
-            zeros = None
+            scales, zeros = torch.empty(n, dtype=torch.float32, device=device), None
         else:
             q = torch.empty(n, k // 2, dtype=torch.uint8, device=device)
             scales = torch.empty(n, k // group_size, dtype=torch.float32, device=device)
             zeros = torch.empty(n, k // group_size, dtype=torch.float32, device=device)
-            self.group_size = group_size
+        self._hold_quantized(scheme, group_size, q, scales, zeros)
+
+    def _release_weight(self, scheme: str, group_size: int) -> torch.Tensor:
+        """Check `scheme` applies, then drop the full-precision parameter; returns its tensor (the last
+        reference, so it is freed as soon as the caller lets go of it)."""
+        check_quantizable(self.in_features, scheme, group_size)
+        if self.quantization is not None:
+            raise RuntimeError(f"layer is already quantized ({self.quantization})")
+        self.packed = None  # a packed copy of the weight being replaced is stale
+        w = self.weight.detach()
+        del self.weight
+        return w
+
+    def _hold_quantized(self, scheme: str, group_size: int, q: torch.Tensor, scales: torch.Tensor,
+                        zeros: torch.Tensor | None) -> None:
         self.qweight = nn.Parameter(q, requires_grad=False)
         self.scales = nn.Parameter(scales, requires_grad=False)
         self.zeros = nn.Parameter(zeros, requires_grad=False) if zeros is not None else None
+        if scheme == "int4":
+            self.group_size = group_size
         self.quantization = scheme
 
     def prepack(self) -> int:
@@ -140,6 +141,11 @@ class TiedHead:
         return self.kernels.linear(x, self.owner.weight, None, self.packed)
 
 
+def scheme_key(scheme: str | None, group_size: int) -> tuple[str | None, int]:
+    """A quantization scheme as compared: the group size counts for int4 only."""
+    return scheme, group_size if scheme == "int4" else 0
+
+
 def check_quantizable(in_features: int, scheme: str, group_size: int, name: str = "layer") -> None:
     """ConfigError (a ValueError) naming the problem and a fix if `scheme` cannot apply to this layer."""
     if scheme not in QUANTIZATION_SCHEMES:
@@ -181,8 +187,7 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int = 128,
     layers = quantizable_linears(model, skip)
     for name, layer in tqdm(layers, desc=f"quantizing to {scheme}", unit="layer", disable=not progress):
         if layer.quantization is not None:  # loaded quantized (init_quantized_): nothing to convert
-            if (layer.quantization, layer.group_size if scheme == "int4" else 0) != \
-                    (scheme, group_size if scheme == "int4" else 0):
+            if scheme_key(layer.quantization, layer.group_size) != scheme_key(scheme, group_size):
                 raise ConfigError(f"{name} is already quantized ({layer.quantization}"
                                   f"{f' g{layer.group_size}' if layer.group_size else ''}), not {scheme}")
             continue

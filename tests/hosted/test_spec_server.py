@@ -13,6 +13,7 @@ from hosted.engine import EngineConfig, LLMEngine
 from hosted.models import DEMO_MODEL_DIR
 from hosted.server import ServerState, build_app
 from hosted.tokenizer import Tokenizer
+from tests.hosted.serving_helpers import parse_metrics
 
 PROMPT = ("Copy this code exactly:\ndef parse_args(argv):\n    parser = argparse.ArgumentParser()\n"
           "    parser.add_argument('--name')\n    return parser.parse_args(argv)\n\nCopy:\ndef parse_args(argv):\n")
@@ -26,16 +27,7 @@ def _app(**spec) -> tuple[AsyncLLMEngine, httpx.AsyncClient]:
     return engine, client
 
 
-def _metrics(text: str) -> dict[str, float]:
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
-
-
-async def test_same_text_with_acceptance_in_usage_and_metrics():
+async def test_same_text_with_acceptance_in_usage_andparse_metrics():
     plain_engine, plain = _app()
     spec_engine, spec = _app(speculative="ngram", spec_adaptive=False)
     try:
@@ -58,12 +50,12 @@ async def test_same_text_with_acceptance_in_usage_and_metrics():
         assert got["usage"]["completion_tokens"] == want["usage"]["completion_tokens"]
         assert got["choices"][0]["logprobs"]["tokens"] == want["choices"][0]["logprobs"]["tokens"]
 
-        m = _metrics((await spec.get("/metrics")).text)
+        m = parse_metrics((await spec.get("/metrics")).text)
         proposed = m["switchyard_engine_spec_proposed_tokens_total"]
         accepted = m["switchyard_engine_spec_accepted_tokens_total"]
         assert proposed >= ext["spec_proposed"] and 0 < accepted <= proposed
         assert m["switchyard_engine_spec_acceptance_rate"] == pytest.approx(accepted / proposed)
-        assert _metrics((await plain.get("/metrics")).text)["switchyard_engine_spec_proposed_tokens_total"] == 0
+        assert parse_metrics((await plain.get("/metrics")).text)["switchyard_engine_spec_proposed_tokens_total"] == 0
         for _ in range(200):  # the stop string aborted the request; the engine thread frees it next
             stats = spec_engine.stats()
             if stats.num_running == 0:
