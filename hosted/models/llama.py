@@ -99,9 +99,15 @@ class LlamaForCausalLM(nn.Module):
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNormWeight(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, kernels)
         # An untied lm_head is a Linear; a tied one projects onto the embedding table.
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype,
+        head_rows = cfg.head_vocab_size or cfg.vocab_size
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, head_rows, False, dtype,
                                                                      device, kernels)
         self.tied_head = TiedHead(self.embed_tokens, kernels) if cfg.tie_word_embeddings else None
+        # A draft's narrow head (ModelConfig.head_vocab_size): the token id of each lm_head row.
+        self.head_vocab_ids = None
+        if cfg.head_vocab_size is not None:
+            self.head_vocab_ids = nn.Parameter(torch.empty(head_rows, dtype=torch.int64, device=device),
+                                               requires_grad=False)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -130,4 +136,9 @@ class LlamaForCausalLM(nn.Module):
         residual = residual.index_select(0, logits_indices)
         hidden, _ = self.norm(hidden, residual)
         logits = self.lm_head.forward(hidden) if self.lm_head is not None else self.tied_head(hidden)
+        if self.head_vocab_ids is not None:
+            # Scatter the narrow head's rows into the full vocabulary: the sampler and the rejection sampler
+            # see a distribution over every token, zero outside the head's.
+            full = logits.new_full((logits.shape[0], self.config.vocab_size), float("-inf"), dtype=torch.float32)
+            return full.index_copy_(1, self.head_vocab_ids, logits.float())
         return logits.float()
