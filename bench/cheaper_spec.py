@@ -11,11 +11,13 @@ every step ("fixed K"). Rounds interleave the configurations; the median round i
 
 Speed = decode tok/s: output tokens of the steps that carry no prompt tokens over those steps' time (the
 prefill is the same for every configuration and is not what speculation changes).
-Bound (fixed-K runs): E[accepted + 1] / (K * c_draft + c_verify), with the acceptance rate a measured in the
-run, E[accepted + 1] = (1 - a^(K+1)) / (1 - a) (each draft accepted with probability a, independently),
-c_draft = proposal time per step / K and c_verify = the rest of the step, both over the plain engine's decode
-step at the same batch. The gap between a fixed-K run and its bound is what the model of costs leaves out
-(acceptance that is not independent, the steps where fewer than K drafts are possible).
+Bound (fixed-K runs): E[accepted + 1] / (K * c_draft + c_verify), with E[accepted + 1] the tokens a sequence
+gains per verification, measured in the run (accepted drafts / verifications + 1: acceptance is front-loaded,
+so the i.i.d. formula (1 - a^(K+1)) / (1 - a) from the per-draft rate a would understate it), c_draft =
+proposal time per step / K and c_verify = the rest of the step, both over the plain engine's decode step at
+the same batch. At batch B every term is per step of the whole batch. The gap between a fixed-K run and its
+bound is what this model of costs leaves out (steps where fewer than K drafts are possible, prefill-free
+steps of unequal cost).
 """
 from __future__ import annotations
 
@@ -32,8 +34,8 @@ OPEN_ENDED = ("What should I pack for a weekend hiking trip?", "Why is the sky b
               "Write a short story about a robot who learns to paint.", "How do airplanes stay in the air?",
               "Give me an idea for a quick vegetarian dinner.", "What are good habits for someone learning to code?",
               "Write a limerick about a cat who loves boxes.", "Explain what a budget is and why it helps.")
-_CODE_FUNCS = ("textwrap.indent", "heapq.nlargest", "bisect.insort_right", "calendar.isleap", "shlex.join",
-               "difflib.get_close_matches", "statistics.median", "calendar.monthrange")
+_CODE_FUNCS = ("textwrap.indent", "heapq.nlargest", "calendar.isleap", "shlex.join",
+               "difflib.get_close_matches", "statistics.median", "calendar.monthrange", "textwrap.shorten")
 _DOC_MODULES = ("calendar", "difflib", "shlex", "sched", "configparser", "getopt", "graphlib", "textwrap")
 
 
@@ -69,7 +71,8 @@ def timed_generate(engine, prompts: list[list[int]], max_tokens: int) -> dict[st
     before = engine.stats()
     out: dict[str, list[int]] = {rid: [] for rid in ids}
     decode_s = propose_s = 0.0
-    decode_tokens = decode_steps = 0
+    decode_tokens = decode_steps = verifications = 0
+    seen: dict[str, int] = {}  # request -> draft tokens verified so far
     step_times: list[float] = []
     sched = engine.scheduler
     while engine.has_unfinished():
@@ -80,6 +83,9 @@ def timed_generate(engine, prompts: list[list[int]], max_tokens: int) -> dict[st
         new = sum(len(o.new_token_ids) for o in outs)
         for o in outs:
             out[o.request_id].extend(o.new_token_ids)
+            if o.spec_proposed > seen.get(o.request_id, 0):
+                verifications += 1
+                seen[o.request_id] = o.spec_proposed
         if not prompt_step and new:
             decode_s += dt
             decode_tokens += new
@@ -90,17 +96,17 @@ def timed_generate(engine, prompts: list[list[int]], max_tokens: int) -> dict[st
     after = engine.stats()
     return {"outputs": [out[r] for r in ids], "decode_tok_s": decode_tokens / decode_s if decode_s else 0.0,
             "decode_steps": decode_steps, "decode_tokens": decode_tokens, "decode_seconds": decode_s,
-            "propose_seconds": propose_s, "median_step_s": statistics.median(step_times) if step_times else None,
+            "propose_seconds": propose_s, "verifications": verifications, "median_step_s": statistics.median(step_times) if step_times else None,
             "proposed": after.spec_proposed_tokens - before.spec_proposed_tokens,
             "accepted": after.spec_accepted_tokens - before.spec_accepted_tokens}
 
 
 def bound(row: dict[str, Any], plain_step_s: float, k: int, batch: int) -> dict[str, float] | None:
     """E[accepted+1] / (K c_draft + c_verify) from a fixed-K run's measured costs (module docstring)."""
-    if not row["proposed"] or not row["decode_steps"]:
+    if not row["proposed"] or not row["decode_steps"] or not row["verifications"]:
         return None
-    a = min(row["accepted"] / row["proposed"], 0.999999)
-    expected = (1 - a ** (k + 1)) / (1 - a)
+    a = row["accepted"] / row["proposed"]
+    expected = 1 + row["accepted"] / row["verifications"]
     per_step = row["decode_seconds"] / row["decode_steps"]
     propose = row["propose_seconds"] / row["decode_steps"]
     c_draft = propose / k / plain_step_s
@@ -141,7 +147,7 @@ def run(args, root: Path, tok, log) -> dict[str, Any]:
                "distilled draft adaptive": {"draft_model_dir": distilled},
                "distilled draft fixed K": {"draft_model_dir": distilled, "spec_adaptive": False}}
     engines = {name: LLMEngine(EngineConfig(model_dir=model, max_num_seqs=64, num_speculative_tokens=k,
-                                            num_kv_blocks=4096, **kw)) for name, kw in configs.items()}
+                                            num_kv_blocks=1024, **kw)) for name, kw in configs.items()}
     log(f"spec: draft {dcfg.num_hidden_layers} layers, head {dcfg.head_vocab_size}; {len(engines)} engines, K={k}")
     workloads = {"grounded": encode(tok, grounded_chats()), "open-ended": encode(tok, list(OPEN_ENDED))}
     rows = []
