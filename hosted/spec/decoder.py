@@ -25,13 +25,16 @@ from hosted.sequence import Sequence
 from hosted.spec import rejection
 from hosted.spec.draft import DraftProposer
 from hosted.spec.ngram import NgramIndex
-from hosted.spec.planner import Acceptance, BackOff, Candidate, StepCost, choose
+from hosted.spec.planner import Acceptance, BackOff, Candidate, Plan, ScaledCost, StepCost, plan_drafts
 
 PROBE_EVERY = 32  # steps without speculation after which a sequence may verify one draft, to re-measure
 PROBE_COST = 0.02  # the most a probe may cost, as a fraction of the sequence's share of the steps since
 OVERHEAD_WEIGHT = 0.2  # of a new measurement in the per-verifying-decode overhead's running mean
 SEQ_DECAY = 0.8  # forgetting of a sequence's own acceptance counts, per verification
 SEQ_PRIOR_WEIGHT = 3.0  # examined drafts' worth of the overall rate in a sequence's estimate
+CALIBRATION_WEIGHT = 0.2  # of a speculating step's realised / expected goodput in the running calibration
+CALIBRATION_RELAX = 0.02  # per plan without drafts, how far the calibration drifts back towards 1 (re-trying)
+CALIBRATION_RANGE = (0.25, 1.5)
 
 
 @dataclass(slots=True)
@@ -72,18 +75,26 @@ class SpecDecoder:
         # sequence's own estimate.
         self.acceptance: dict[int, Acceptance] = {}
         self.draft = _build_draft(config, model_config, runner, max_model_len) if self.method == "draft" else None
+        self.draft_weight_ratio = _weight_ratio(self.draft.runner, runner) if self.draft is not None else 0.0
         self.num_proposed = 0  # draft tokens verified, all requests
         self.num_accepted = 0  # of them, kept as output
         self.propose_seconds = 0.0
         self._pending: list[Sequence] = []
         self._step = 0  # propose() calls so far
         self.backoff = BackOff()  # adaptive: skip planning while the planner keeps speculation off
+        # Realised over expected goodput of the steps that speculated as planned (running mean): the planner's
+        # models of acceptance (iid) and cost (the forward) miss what they miss; this pays for it.
+        self.calibration = 1.0
+        self._plan: Plan | None = None  # this step's plan, when it has drafts and no probes were added
+        self._plan_decodes: set[int] = set()  # id() of the decodes it covers
+        self._realised = 0  # tokens those decodes emitted this step
 
     # ---- before scheduling ------------------------------------------------------------------------
     def propose(self, scheduler: Scheduler) -> None:
         """Set spec_token_ids on the running decodes that should speculate this step."""
         t0 = time.perf_counter()
         self._verifying = 0
+        self._plan, self._realised = None, 0
         for seq in self._pending:  # anything proposed last step and not scheduled
             seq.spec_token_ids = []
             seq.spec_draft_probs = None
@@ -116,10 +127,15 @@ class SpecDecoder:
         if cands:
             if self.adaptive:
                 base = self._base_tokens(scheduler, len(decodes))
-                ks = choose(cands, base, len(decodes), self.budget, self.target_cost,
-                            self.draft.cost if self.draft is not None else None, self.verify_overhead)
+                plan = plan_drafts(cands, base, len(decodes), self.budget, self.target_cost,
+                                   self._draft_cost(), self.verify_overhead, self.calibration)
+                ks = list(plan.ks)
                 self.backoff.record(any(ks), len(decodes))  # the planner's choice: probes do not end it
                 self._probe(seqs, ks, base, len(decodes))
+                if any(plan.ks) and ks == plan.ks and plan.seconds > 0:
+                    self._plan, self._plan_decodes = plan, {id(s) for s in decodes}
+                elif not any(plan.ks):
+                    self.calibration += CALIBRATION_RELAX * (1.0 - self.calibration)
             else:
                 ks = [c.max_k for c in cands]
             if self.draft is not None:
@@ -129,6 +145,12 @@ class SpecDecoder:
                     seq.spec_token_ids = proposal[:k]
             self._pending = [s for s in seqs if s.spec_token_ids]
         self.propose_seconds = time.perf_counter() - t0
+
+    def _draft_cost(self) -> StepCost | ScaledCost | None:
+        """The draft's measured cost per forward, or until it has one the target's scaled by the weights."""
+        if self.draft is None:
+            return None
+        return self.draft.cost if self.draft.cost.known else ScaledCost(self.target_cost, self.draft_weight_ratio)
 
     def _base_tokens(self, scheduler: Scheduler, num_decodes: int) -> int:
         """About what this step feeds without drafts: the decodes, and prefill work up to the token budget."""
@@ -147,7 +169,8 @@ class SpecDecoder:
             state = seq.spec_state
             idle = self._step - state.since
             if ks[i] == 0 and idle >= PROBE_EVERY:
-                cost = extra + (self.draft.cost(self.draft.lag(seq)) if self.draft is not None else 0.0)
+                draft_cost = self._draft_cost()
+                cost = extra + (draft_cost(self.draft.lag(seq)) if draft_cost is not None else 0.0)
                 if cost <= PROBE_COST * idle * step / num_decodes:
                     ks[i] = 1
             if ks[i]:
@@ -158,7 +181,7 @@ class SpecDecoder:
         """Tokens for every sequence that reached its end this step (rows as ModelRunner.execute returns them)."""
         spec = [i for i, s in enumerate(seqs) if s.spec_token_ids]
         if not spec:
-            return plain_samples(sampler(logits, seqs))
+            return self._count(seqs, plain_samples(sampler(logits, seqs)))
         counts = rejection.row_counts(seqs)
         starts = [0]
         for c in counts:
@@ -182,7 +205,13 @@ class SpecDecoder:
             k = len(seq.spec_token_ids)
             out[i] = Sampled(tokens, lps, k, len(tokens) - 1)
             row += k + 1
-        return [o for o in out if o is not None]
+        return self._count(seqs, [o for o in out if o is not None])
+
+    def _count(self, seqs: list[Sequence], sampled: list[Sampled]) -> list[Sampled]:
+        """Note the tokens the planned decodes emitted (for the calibration); returns `sampled`."""
+        if self._plan is not None:
+            self._realised = sum(len(g.token_ids) for s, g in zip(seqs, sampled) if id(s) in self._plan_decodes)
+        return sampled
 
     def settle(self, seq: Sequence, got: Sampled, num_kept: int, block_manager: BlockManager) -> None:
         """After seq.token_ids got the first `num_kept` of got.token_ids (fewer at EOS / max_tokens): its KV keeps
@@ -214,6 +243,14 @@ class SpecDecoder:
             return
         per_seq = max(0.0, seconds - self.target_cost(num_tokens)) / self._verifying
         self.verify_overhead += OVERHEAD_WEIGHT * (per_seq - self.verify_overhead)
+        plan = self._plan
+        if plan is not None and self._realised:
+            # Realised goodput counts the whole speculating step: the forward, and proposing (draft forwards).
+            realised = self._realised / max(seconds + self.propose_seconds, 1e-9)
+            ratio = realised / (plan.emitted / plan.seconds)
+            low, high = CALIBRATION_RANGE
+            self.calibration = min(high, max(low, self.calibration + CALIBRATION_WEIGHT * (ratio - self.calibration)))
+        self._plan = None
 
     def release(self, seq: Sequence) -> None:
         """seq finished, was aborted or was preempted: free its draft KV (the draft recomputes it if needed)."""
@@ -235,6 +272,17 @@ def _logprobs(rows: torch.Tensor, tokens: list[int], top_n: int) -> list[tuple[f
         vals, ids = lp.topk(top_n, dim=-1)
         tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
     return list(zip(chosen, tops))
+
+
+def _weight_ratio(draft: ModelRunner, target: ModelRunner) -> float:
+    """The draft's parameter bytes read per forward over the target's (an untied embedding is a lookup, not
+    read whole): a first guess of its cost per forward."""
+    def size(runner: ModelRunner) -> int:
+        tied = runner.model_config.tie_word_embeddings
+        return sum(p.numel() * p.element_size() for name, p in runner.model.named_parameters()
+                   if tied or not name.startswith("embed_tokens"))
+
+    return size(draft) / max(size(target), 1)
 
 
 def _build_draft(config: EngineConfig, model_config: ModelConfig, runner: ModelRunner,

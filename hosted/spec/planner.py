@@ -109,23 +109,53 @@ class Candidate:
     lag: int = 1  # tokens the draft model feeds for it in its first forward (catching up)
 
 
+@dataclass(slots=True)
+class ScaledCost:
+    """A stand-in for a cost not measured yet: another model's measured cost times a ratio (a draft before its
+    first forward: the target's cost scaled by the draft's share of the weights), so that an unmeasured draft
+    is never taken to be free."""
+
+    base: StepCost
+    ratio: float
+
+    def __call__(self, tokens: float) -> float:
+        return self.ratio * self.base(tokens)
+
+
+@dataclass(slots=True)
+class Plan:
+    ks: list[int]  # drafts per candidate
+    emitted: float  # expected tokens this step emits (every decode's, drafts' expected gains included)
+    seconds: float  # expected step seconds (target forward, verifying sequences' overhead, draft forwards)
+
+
 def choose(cands: list[Candidate], base_tokens: int, num_decodes: int, budget: int, target: StepCost,
-           draft: StepCost | None, per_seq: float = 0.0) -> list[int]:
-    """k per candidate maximising expected goodput. `base_tokens`: what the step feeds without speculation;
+           draft: StepCost | ScaledCost | None, per_seq: float = 0.0, calibration: float = 1.0) -> list[int]:
+    """k per candidate maximising expected goodput (plan_drafts(...).ks)."""
+    return plan_drafts(cands, base_tokens, num_decodes, budget, target, draft, per_seq, calibration).ks
+
+
+def plan_drafts(cands: list[Candidate], base_tokens: int, num_decodes: int, budget: int, target: StepCost,
+                draft: StepCost | ScaledCost | None, per_seq: float = 0.0, calibration: float = 1.0) -> Plan:
+    """The plan maximising expected goodput. `base_tokens`: what the step feeds without speculation;
     `num_decodes`: tokens it emits without; `budget`: the most tokens a step may feed; `draft`: the draft
     model's cost per forward (None: proposals are free, as n-grams); `per_seq`: seconds a verifying decode
-    costs beyond its tokens (it leaves the batched decode path for the per-sequence prefill one)."""
+    costs beyond its tokens (it leaves the batched decode path for the per-sequence prefill one);
+    `calibration`: realised over expected goodput of past speculating steps (SpecDecoder), which scales every
+    plan with drafts: what the cost and acceptance models miss (acceptance that is not iid, time spent
+    proposing and verifying outside the forward) is paid for from measurements, not assumed away."""
     ks = [0] * len(cands)
-    if not target.known:
-        return [c.max_k for c in cands]  # nothing measured yet: explore
+    if not target.known:  # no plain step measured yet: take one first (at batch 32 a blind try costs)
+        return Plan(ks, float(num_decodes), 0.0)
     gains = sorted(((c.alpha ** j, i) for i, c in enumerate(cands) for j in range(1, c.max_k + 1)), reverse=True)
     tokens = base_tokens
     emitted = float(num_decodes)
     draft_rows: list[int] = []  # tokens draft forward j feeds: one per sequence proposing more than j (its lag
     draft_seconds = 0.0          # in the first forward)
     extra = 0.0  # verifying sequences' own cost
-    best = emitted / max(target(tokens), 1e-9)
-    best_n = 0
+    plain_seconds = max(target(tokens), 1e-9)
+    best = emitted / plain_seconds
+    best_n, best_emitted, best_seconds = 0, emitted, plain_seconds
     for n, (gain, i) in enumerate(gains, start=1):
         if tokens + 1 > budget:
             break
@@ -141,13 +171,14 @@ def choose(cands: list[Candidate], base_tokens: int, num_decodes: int, budget: i
             draft_seconds += draft(draft_rows[j] + rows) - draft(draft_rows[j])
             draft_rows[j] += rows
         ks[i] += 1
-        goodput = emitted / max(target(tokens) + extra + draft_seconds, 1e-9)
+        seconds = max(target(tokens) + extra + draft_seconds, 1e-9)
+        goodput = calibration * emitted / seconds
         if goodput > best:
-            best, best_n = goodput, n
+            best, best_n, best_emitted, best_seconds = goodput, n, emitted, seconds
     ks = [0] * len(cands)
     for _, i in gains[:best_n]:
         ks[i] += 1
-    return ks
+    return Plan(ks, best_emitted, best_seconds)
 
 
 @dataclass(slots=True)

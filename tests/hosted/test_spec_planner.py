@@ -7,7 +7,8 @@ import random
 import pytest
 
 from hosted.spec.ngram import NgramIndex
-from hosted.spec.planner import Acceptance, BackOff, Candidate, StepCost, choose, expected_tokens
+from hosted.spec.planner import (Acceptance, BackOff, Candidate, ScaledCost, StepCost, choose, expected_tokens,
+                                  plan_drafts)
 
 
 def _reference(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
@@ -143,3 +144,23 @@ def test_ngram_index_other_sizes_match_a_full_search(sizes):
         for _ in range(40):
             assert idx.propose(tokens, 3) == _reference(tokens, 3, *sizes), (trial, tokens)
             tokens.extend(rng.randrange(4) for _ in range(rng.randrange(1, 5)))
+
+
+def test_calibration_from_realised_goodput_scales_every_plan_with_drafts():
+    """A plan the models expect to gain 10% is dropped once past speculating steps realised 15% less
+    goodput than expected (the cost and acceptance models miss something: it is paid for from measurements)."""
+    target = _cost([(8, 20e-3), (16, 24e-3), (40, 40e-3)])
+    cands = [Candidate(4, 0.6)] * 8
+    plan = plan_drafts(cands, 8, 8, 2048, target, None)
+    assert any(plan.ks) and plan.seconds > 0 and plan.emitted > 8
+    gain = (plan.emitted / plan.seconds) / (8 / target(8))
+    assert 1.0 < gain < 1.5
+    assert choose(cands, 8, 8, 2048, target, None, calibration=0.95 / gain) == [0] * 8
+    assert choose(cands, 8, 8, 2048, target, None, calibration=1.05 / gain) == plan.ks
+
+
+def test_no_drafts_before_a_plain_step_is_measured_and_an_unmeasured_draft_is_not_free():
+    assert choose([Candidate(4, 0.9)] * 32, 32, 32, 2048, StepCost(), None) == [0] * 32
+    target = _cost([(1, 3.6e-3), (5, 4.8e-3), (9, 5.7e-3)])
+    assert choose([Candidate(4, 0.8)], 1, 1, 2048, target, ScaledCost(target, 1.0)) == [0]  # as big as the target
+    assert choose([Candidate(4, 0.8)], 1, 1, 2048, target, ScaledCost(target, 0.05)) == [4]
