@@ -275,10 +275,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--read-mib", type=int, default=2048)
     p.add_argument("--spec-k", type=int, default=4, help="speculation: --num-speculative-tokens")
     p.add_argument("--spec-tokens", type=int, default=64, help="speculation: greedy tokens per request")
-    p.add_argument("--spec-rounds", type=int, default=2)
+    p.add_argument("--spec-rounds", type=int, default=3, help="odd: the median is a measured round")
     p.add_argument("--spec-batches", default="1,8,32")
     p.add_argument("--stack-requests", type=int, default=32)
     p.add_argument("--stack-tokens", type=int, default=64)
+    p.add_argument("--merge", action="store_true",
+                   help="keep the other sections of an existing <out>.json (rerun only --sections)")
     cheaper_peers.add_args(p)
     args = p.parse_args(argv)
     args.spec_batches = [int(b) for b in args.spec_batches.split(",")]
@@ -313,6 +315,14 @@ def main(argv: list[str] | None = None) -> int:
         pass
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if args.merge and out.with_suffix(".json").is_file():
+        old = json.loads(out.with_suffix(".json").read_text())
+        for key in ("spec", "stack", "peers"):
+            if key not in sections and key in old:
+                res[key] = old[key]
+        if "precision" not in sections:
+            res["runs"] = old.get("runs", {})
+        res["meta"]["merged_sections_from_earlier_run"] = [s for s in SECTIONS if s not in sections]
 
     def save() -> None:
         res["meta"]["wall_seconds"] = time.perf_counter() - t_start
