@@ -34,6 +34,7 @@ from torch import nn
 from hosted.config import ModelConfig
 from hosted.loader import hf_state_dict, int8_storage, load_model
 from hosted.models import resolve_model_path
+from hosted.tools.quantize import checkpoint_config, write_tokenizer_files
 from kernels.reference import rotary_cos_sin
 
 STORAGE_BLOCK = 32
@@ -203,8 +204,6 @@ def export_draft(student: Student, out_dir: Path, teacher_dir: str, teacher_cfg:
                  card: str, extra_config: dict[str, Any]) -> int:
     """Write the student as an engine checkpoint (config.json with head_vocab_size and int8 storage,
     model.safetensors, the teacher's tokenizer files, README.md) to out_dir, atomically; returns its bytes."""
-    from hosted.tools.quantize import _config_json, _write_tokenizer  # one config/tokenizer writer for both
-
     s = student.shape
     tensors: dict[str, torch.Tensor] = {}
 
@@ -230,7 +229,7 @@ def export_draft(student: Student, out_dir: Path, teacher_dir: str, teacher_cfg:
     tensors["lm_head.vocab_ids"] = student.vocab_ids.clone()
 
     source = resolve_model_path(teacher_dir)
-    config = _config_json(source, teacher_cfg, "bfloat16")
+    config = checkpoint_config(source, teacher_cfg, "bfloat16")
     config.pop("quantization_config", None)
     config.update({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": s.hidden_size,
                    "intermediate_size": s.intermediate_size, "num_hidden_layers": s.num_layers,
@@ -243,7 +242,7 @@ def export_draft(student: Student, out_dir: Path, teacher_dir: str, teacher_cfg:
     partial.mkdir(parents=True)
     save_file(tensors, str(partial / "model.safetensors"), metadata={"format": "pt"})
     (partial / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    _write_tokenizer(source, teacher_cfg, partial)
+    write_tokenizer_files(source, teacher_cfg, partial)
     (partial / "README.md").write_text(card)
     for f in partial.iterdir():
         f.chmod(0o644)

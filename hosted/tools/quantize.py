@@ -59,13 +59,13 @@ def quantize_checkpoint(model: str | Path, bits: int, out: str | Path, group_siz
     partial.mkdir(parents=True)
     try:
         save_file(tensors, str(partial / "model.safetensors"), metadata={"format": "pt"})
-        config = _config_json(source, cfg, dtype)
+        config = checkpoint_config(source, cfg, dtype)
         config["quantization_config"] = {"quant_method": QUANT_METHOD, "bits": bits,
                                          "group_size": group or None, "symmetric": bits == 8,
                                          "modules": "decoder linears (q, k, v, o, gate, up, down); embedding, "
                                                     "norms and lm_head in torch_dtype"}
         (partial / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        _write_tokenizer(source, cfg, partial)
+        write_tokenizer_files(source, cfg, partial)
         if out_dir.exists():
             out_dir.rmdir()  # empty (checked above)
         os.replace(partial, out_dir)
@@ -88,7 +88,7 @@ def default_group_size(cfg: ModelConfig, source: Path) -> int:
     raise ConfigError(f"no int4 group size in {INT4_GROUP_SIZES} divides the layer sizes {ins}; use --bits 8")
 
 
-def _config_json(source: Path, cfg: ModelConfig, dtype: str) -> dict[str, Any]:
+def checkpoint_config(source: Path, cfg: ModelConfig, dtype: str) -> dict[str, Any]:
     """A directory's own config.json (every field it had), or one written from a GGUF file's ModelConfig."""
     if source.is_dir():
         raw = json.loads((source / "config.json").read_text())
@@ -107,7 +107,7 @@ def _config_json(source: Path, cfg: ModelConfig, dtype: str) -> dict[str, Any]:
     return raw
 
 
-def _write_tokenizer(source: Path, cfg: ModelConfig, out: Path) -> None:
+def write_tokenizer_files(source: Path, cfg: ModelConfig, out: Path) -> None:
     if source.is_dir():
         for name in _TOKENIZER_FILES:
             if (source / name).is_file():
