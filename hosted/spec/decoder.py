@@ -82,9 +82,11 @@ class SpecDecoder:
         self._pending: list[Sequence] = []
         self._step = 0  # propose() calls so far
         self.backoff = BackOff()  # adaptive: skip planning while the planner keeps speculation off
-        # Realised over expected goodput of the steps that speculated as planned (running mean): the planner's
-        # models of acceptance (iid) and cost (the forward) miss what they miss; this pays for it.
-        self.calibration = 1.0
+        # Realised over expected goodput of the steps that speculated as planned (running mean), per batch-size
+        # bucket (calibration_bucket): the planner's models of acceptance (iid) and cost (the forward) miss
+        # different things at batch 1 and at batch 32, and one batch size's lesson must not steer another's.
+        self.calibrations: dict[int, float] = {}
+        self._bucket = 0  # this step's bucket
         self._plan: Plan | None = None  # this step's plan, when it has drafts and no probes were added
         self._plan_decodes: set[int] = set()  # id() of the decodes it covers
         self._realised = 0  # tokens those decodes emitted this step
@@ -128,14 +130,15 @@ class SpecDecoder:
             if self.adaptive:
                 base = self._base_tokens(scheduler, len(decodes))
                 plan = plan_drafts(cands, base, len(decodes), self.budget, self.target_cost,
-                                   self._draft_cost(), self.verify_overhead, self.calibration)
+                                   self._draft_cost(), self.verify_overhead, self._calibration(len(decodes)))
                 ks = list(plan.ks)
                 self.backoff.record(any(ks), len(decodes))  # the planner's choice: probes do not end it
                 self._probe(seqs, ks, base, len(decodes))
                 if any(plan.ks) and ks == plan.ks and plan.seconds > 0:
                     self._plan, self._plan_decodes = plan, {id(s) for s in decodes}
                 elif not any(plan.ks):
-                    self.calibration += CALIBRATION_RELAX * (1.0 - self.calibration)
+                    cal = self._calibration(len(decodes))
+                    self.calibrations[self._bucket] = cal + CALIBRATION_RELAX * (1.0 - cal)
             else:
                 ks = [c.max_k for c in cands]
             if self.draft is not None:
@@ -145,6 +148,11 @@ class SpecDecoder:
                     seq.spec_token_ids = proposal[:k]
             self._pending = [s for s in seqs if s.spec_token_ids]
         self.propose_seconds = time.perf_counter() - t0
+
+    def _calibration(self, num_decodes: int) -> float:
+        """The calibration of this many decodes' bucket (powers of two: 1, 2-3, 4-7, ...), 1.0 until measured."""
+        self._bucket = calibration_bucket(num_decodes)
+        return self.calibrations.get(self._bucket, 1.0)
 
     def _draft_cost(self) -> StepCost | ScaledCost | None:
         """The draft's measured cost per forward, or until it has one the target's scaled by the weights."""
@@ -249,7 +257,8 @@ class SpecDecoder:
             realised = self._realised / max(seconds + self.propose_seconds, 1e-9)
             ratio = realised / (plan.emitted / plan.seconds)
             low, high = CALIBRATION_RANGE
-            self.calibration = min(high, max(low, self.calibration + CALIBRATION_WEIGHT * (ratio - self.calibration)))
+            cal = self.calibrations.get(self._bucket, 1.0)
+            self.calibrations[self._bucket] = min(high, max(low, cal + CALIBRATION_WEIGHT * (ratio - cal)))
         self._plan = None
 
     def release(self, seq: Sequence) -> None:
@@ -272,6 +281,10 @@ def _logprobs(rows: torch.Tensor, tokens: list[int], top_n: int) -> list[tuple[f
         vals, ids = lp.topk(top_n, dim=-1)
         tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
     return list(zip(chosen, tops))
+
+
+def calibration_bucket(num_decodes: int) -> int:
+    return max(num_decodes, 1).bit_length()
 
 
 def _weight_ratio(draft: ModelRunner, target: ModelRunner) -> float:

@@ -164,3 +164,9 @@ def test_no_drafts_before_a_plain_step_is_measured_and_an_unmeasured_draft_is_no
     target = _cost([(1, 3.6e-3), (5, 4.8e-3), (9, 5.7e-3)])
     assert choose([Candidate(4, 0.8)], 1, 1, 2048, target, ScaledCost(target, 1.0)) == [0]  # as big as the target
     assert choose([Candidate(4, 0.8)], 1, 1, 2048, target, ScaledCost(target, 0.05)) == [4]
+
+
+def test_calibration_is_kept_per_batch_size_bucket():
+    from hosted.spec.decoder import calibration_bucket
+
+    assert [calibration_bucket(n) for n in (0, 1, 2, 3, 4, 7, 8, 31, 32)] == [1, 1, 2, 2, 3, 3, 4, 5, 6]
