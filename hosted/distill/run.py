@@ -80,22 +80,22 @@ def distill(s: DistillSettings, log: Callable[[str], None] = print) -> dict[str,
     teacher_cfg = ModelConfig.from_dir(s.teacher)
     head_vocab = s.head_vocab or teacher_cfg.vocab_size
     shape = student_shape(teacher_cfg, s.layers, s.hidden, min(head_vocab, teacher_cfg.vocab_size))
-    _claim_work_dir(work, s.result_key())
     tok = Tokenizer.from_dir(s.teacher)
+    # 1. prompts (read before anything is written: bad input leaves no work directory behind)
+    chats = prompt_sets.load_prompts(s.prompts) if s.prompts else prompt_sets.default_prompts(
+        max(256, s.tokens // 16))
+    train_chats = [c for c in chats if not prompt_sets.is_held_out(c, s.held_out_percent)]
+    eval_chats = [c for c in chats if prompt_sets.is_held_out(c, s.held_out_percent)]
+    if not train_chats or not eval_chats:
+        raise ValueError(f"{len(chats)} prompts leave {len(train_chats)} to train on and {len(eval_chats)} "
+                         f"held out ({s.held_out_percent}%): give more prompts")
+    train_ids = encode_prompts(tok, train_chats, s.max_prompt_tokens)
+    eval_ids = encode_prompts(tok, eval_chats, s.max_prompt_tokens)[: s.eval_prompts]
+    if not train_ids or not eval_ids:
+        raise ValueError(f"no prompt fits in --max-prompt-tokens {s.max_prompt_tokens}")
+    log(f"{len(train_ids)} training prompts, {len(eval_ids)} held out for the acceptance report")
+    _claim_work_dir(work, s.result_key())
     with StopRequest() as stop:
-        # 1. prompts
-        chats = prompt_sets.load_prompts(s.prompts) if s.prompts else prompt_sets.default_prompts(
-            max(256, s.tokens // 16))
-        train_chats = [c for c in chats if not prompt_sets.is_held_out(c, s.held_out_percent)]
-        eval_chats = [c for c in chats if prompt_sets.is_held_out(c, s.held_out_percent)]
-        if not train_chats or not eval_chats:
-            raise ValueError(f"{len(chats)} prompts leave {len(train_chats)} to train on and {len(eval_chats)} "
-                             f"held out ({s.held_out_percent}%): give more prompts")
-        train_ids = encode_prompts(tok, train_chats, s.max_prompt_tokens)
-        eval_ids = encode_prompts(tok, eval_chats, s.max_prompt_tokens)[: s.eval_prompts]
-        if not train_ids or not eval_ids:
-            raise ValueError(f"no prompt fits in --max-prompt-tokens {s.max_prompt_tokens}")
-        log(f"{len(train_ids)} training prompts, {len(eval_ids)} held out for the acceptance report")
         # 2. teacher
         gen = GenerationSettings(s.max_new_tokens, s.temperature, s.max_prompt_tokens, s.seed, s.shard_prompts)
         t0 = time.perf_counter()

@@ -259,3 +259,15 @@ def test_interrupted_run_resumes_to_the_uninterrupted_result(teacher_dir, prompt
 
     with pytest.raises(ValueError, match="other settings"):
         distill(_settings(teacher_dir, prompts_file, tmp_path / "b" / "draft", lr=1e-2), log=lambda m: None)
+
+
+def test_bad_input_fails_before_anything_is_written(tmp_path):
+    one = tmp_path / "one.txt"
+    one.write_text("just one prompt\n")
+    settings = DistillSettings(teacher=DEMO_MODEL_DIR, out=str(tmp_path / "draft"), prompts=str(one),
+                               held_out_percent=50, progress=False)
+    with pytest.raises(ValueError, match="give more prompts"):
+        distill(settings, log=lambda m: None)
+    with pytest.raises(ValueError, match="--layers"):
+        distill(DistillSettings(teacher=DEMO_MODEL_DIR, out=str(tmp_path / "draft"), layers=99), log=lambda m: None)
+    assert list(tmp_path.iterdir()) == [one]
