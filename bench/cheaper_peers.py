@@ -201,54 +201,14 @@ def _vllm_version() -> str | None:
 
 
 def _stream(client: httpx.Client, server, prompt: list[int], new_tokens: int) -> dict:
-    """One streamed greedy ignore_eos completion; like peers' helper, plus llama-server's `timings` block
-    (draft_n / draft_n_accepted under speculation) and the full text."""
-    body = {
-        "model": server.model,
-        "prompt": list(prompt),
-        "max_tokens": new_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        **(server.request_extras or {}),
-    }
-    t0 = time.perf_counter()
-    times: list[float] = []
-    text: list[str] = []
-    usage = timings = None
-    with client.stream("POST", server.base_url + "/v1/completions", json=body) as resp:
-        if resp.status_code != 200:
-            resp.read()
-            raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:300]}")
-        for line in resp.iter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            chunk = json.loads(data)
-            now = time.perf_counter()
-            usage = chunk.get("usage") or usage
-            timings = chunk.get("timings") or timings
-            for ch in chunk.get("choices") or []:
-                if ch.get("text"):
-                    times.append(now)
-                    text.append(ch["text"])
-    if not times:
-        raise RuntimeError("no tokens streamed")
-    n = (usage or {}).get("completion_tokens", len(times))
-    return {
-        "ttft_s": times[0] - t0,
-        "total_s": times[-1] - t0,
-        "decode_span_s": times[-1] - times[0],
-        "completion_tokens": n,
-        "prompt_tokens": len(prompt),
-        "text": "".join(text),
-        "draft_n": (timings or {}).get("draft_n"),
-        "draft_n_accepted": (timings or {}).get("draft_n_accepted"),
-        "server_tok_s": (timings or {}).get("predicted_per_second"),
-    }
+    """One streamed greedy ignore_eos completion (peers._stream_completion), with llama-server's `timings`
+    counters (draft_n / draft_n_accepted under speculation) lifted out."""
+    r = peers._stream_completion(client, server.base_url, server.model, prompt, new_tokens, server.request_extras)
+    timings = r["timings"] or {}
+    return {"ttft_s": r["ttft_s"], "total_s": r["total_s"], "decode_span_s": r["decode_span_s"],
+            "completion_tokens": r["completion_tokens"], "prompt_tokens": len(prompt), "text": r["text"],
+            "draft_n": timings.get("draft_n"), "draft_n_accepted": timings.get("draft_n_accepted"),
+            "server_tok_s": timings.get("predicted_per_second")}
 
 
 def _warm(server, prompt: list[int], tokens: int = 8) -> None:

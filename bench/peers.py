@@ -570,7 +570,7 @@ def _stream_completion(client: httpx.Client, base_url: str, model: str, prompt_i
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, **(extras or {})}
     t_start = time.perf_counter()
     token_times: list[float] = []
-    usage = None
+    usage = timings = None
     text = []
     with client.stream("POST", base_url + "/v1/completions", json=body) as resp:
         if resp.status_code != 200:
@@ -586,6 +586,7 @@ def _stream_completion(client: httpx.Client, base_url: str, model: str, prompt_i
             now = time.perf_counter()
             if chunk.get("usage"):
                 usage = chunk["usage"]
+            timings = chunk.get("timings") or timings  # llama-server's own counters (draft_n, ...)
             for choice in chunk.get("choices") or []:
                 if choice.get("text"):
                     token_times.append(now)
@@ -597,7 +598,8 @@ def _stream_completion(client: httpx.Client, base_url: str, model: str, prompt_i
     span = token_times[-1] - token_times[0]
     return {"ttft_s": token_times[0] - t_start, "total_s": token_times[-1] - t_start,
             "completion_tokens": completion_tokens, "prompt_tokens": (usage or {}).get("prompt_tokens"),
-            "chunks": len(token_times), "usage_reported": usage is not None,
+            "chunks": len(token_times), "usage_reported": usage is not None, "decode_span_s": span,
+            "timings": timings,
             "decode_tok_s": (completion_tokens - 1) / span if span > 0 and completion_tokens > 1 else None,
             "text": "".join(text)}
 

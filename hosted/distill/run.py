@@ -97,7 +97,7 @@ def distill(s: DistillSettings, log: Callable[[str], None] = print) -> dict[str,
     _claim_work_dir(work, s.result_key())
     with StopRequest() as stop:
         # 2. teacher
-        gen = GenerationSettings(s.max_new_tokens, s.temperature, s.max_prompt_tokens, s.seed, s.shard_prompts)
+        gen = GenerationSettings(s.max_new_tokens, s.temperature, s.seed, s.shard_prompts)
         t0 = time.perf_counter()
         shards = generate_shards(s.teacher, train_ids, gen, work / "teacher", s.tokens, stop, s.progress)
         if stop():

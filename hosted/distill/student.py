@@ -40,6 +40,16 @@ from kernels.reference import rotary_cos_sin
 STORAGE_BLOCK = 32
 
 
+def hf_layer_name(name: str) -> str:
+    """A student layer's parameter name (q_proj.weight, gate_proj.weight, ...) under its HF checkpoint name."""
+    module = name.split(".", 1)[0]
+    if module in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        return f"self_attn.{name}"
+    if module in ("gate_proj", "up_proj", "down_proj"):
+        return f"mlp.{name}"
+    return name  # the two layer norms keep their names
+
+
 @dataclass(slots=True)
 class StudentShape:
     vocab_size: int
@@ -179,11 +189,7 @@ def _init_from_teacher(student: Student, teacher_dir: str, teacher_cfg: ModelCon
             for mine, theirs in zip(student.layers, s.teacher_layers):
                 prefix = f"model.layers.{theirs}."
                 for name, param in mine.named_parameters():
-                    hf = name.replace("q_proj", "self_attn.q_proj").replace("k_proj", "self_attn.k_proj")
-                    hf = hf.replace("v_proj", "self_attn.v_proj").replace("o_proj", "self_attn.o_proj")
-                    for part in ("gate_proj", "up_proj", "down_proj"):
-                        hf = hf.replace(part, f"mlp.{part}")
-                    param.copy_(weights[prefix + hf])
+                    param.copy_(weights[prefix + hf_layer_name(name)])
         else:
             # Principal directions of the teacher's embedding: the best rank-H linear map of its token space.
             centered = embed - embed.mean(dim=0, keepdim=True)
@@ -217,13 +223,8 @@ def export_draft(student: Student, out_dir: Path, teacher_dir: str, teacher_cfg:
 
     put("model.embed_tokens.weight", student.embed)
     for i, layer in enumerate(student.layers):
-        p = f"model.layers.{i}."
-        put(p + "input_layernorm.weight", layer.input_layernorm.weight)
-        put(p + "post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
-        for part in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            put(f"{p}self_attn.{part}.weight", getattr(layer, part).weight)
-        for part in ("gate_proj", "up_proj", "down_proj"):
-            put(f"{p}mlp.{part}.weight", getattr(layer, part).weight)
+        for name, param in layer.named_parameters():
+            put(f"model.layers.{i}.{hf_layer_name(name)}", param)
     put("model.norm.weight", student.norm.weight)
     put("lm_head.weight", student.lm_head.weight)
     tensors["lm_head.vocab_ids"] = student.vocab_ids.clone()

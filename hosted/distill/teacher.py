@@ -39,7 +39,6 @@ class Example:
 class GenerationSettings:
     max_new_tokens: int
     temperature: float
-    max_prompt_tokens: int
     seed: int
     shard_prompts: int
     max_num_seqs: int = 32

@@ -171,21 +171,6 @@ def train(student: Student, examples: list[Example], settings: TrainSettings, wo
     return state
 
 
-@torch.no_grad()
-def mean_loss(student: Student, examples: list[Example], name: str, bf16: bool, batch_size: int) -> float:
-    index = head_index(student.vocab_ids, student.shape.vocab_size)
-    was = student.training
-    student.eval()
-    total, count = 0.0, 0
-    for i in range(0, len(examples), batch_size):
-        chunk = examples[i:i + batch_size]
-        n = sum(len(e.output_ids) for e in chunk)
-        total += float(loss_on(student, chunk, index, name, bf16)) * n
-        count += n
-    student.train(was)
-    return total / max(count, 1)
-
-
 def save_checkpoint(work_dir: Path, student: Student, opt: torch.optim.Optimizer, state: TrainState) -> None:
     path = work_dir / CHECKPOINT
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")

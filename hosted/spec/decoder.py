@@ -129,16 +129,17 @@ class SpecDecoder:
         if cands:
             if self.adaptive:
                 base = self._base_tokens(scheduler, len(decodes))
+                self._bucket = calibration_bucket(len(decodes))
+                calibration = self.calibrations.get(self._bucket, 1.0)
                 plan = plan_drafts(cands, base, len(decodes), self.budget, self.target_cost,
-                                   self._draft_cost(), self.verify_overhead, self._calibration(len(decodes)))
+                                   self._draft_cost(), self.verify_overhead, calibration)
                 ks = list(plan.ks)
                 self.backoff.record(any(ks), len(decodes))  # the planner's choice: probes do not end it
                 self._probe(seqs, ks, base, len(decodes))
                 if any(plan.ks) and ks == plan.ks and plan.seconds > 0:
                     self._plan, self._plan_decodes = plan, {id(s) for s in decodes}
                 elif not any(plan.ks):
-                    cal = self._calibration(len(decodes))
-                    self.calibrations[self._bucket] = cal + CALIBRATION_RELAX * (1.0 - cal)
+                    self.calibrations[self._bucket] = calibration + CALIBRATION_RELAX * (1.0 - calibration)
             else:
                 ks = [c.max_k for c in cands]
             if self.draft is not None:
@@ -148,11 +149,6 @@ class SpecDecoder:
                     seq.spec_token_ids = proposal[:k]
             self._pending = [s for s in seqs if s.spec_token_ids]
         self.propose_seconds = time.perf_counter() - t0
-
-    def _calibration(self, num_decodes: int) -> float:
-        """The calibration of this many decodes' bucket (powers of two: 1, 2-3, 4-7, ...), 1.0 until measured."""
-        self._bucket = calibration_bucket(num_decodes)
-        return self.calibrations.get(self._bucket, 1.0)
 
     def _draft_cost(self) -> StepCost | ScaledCost | None:
         """The draft's measured cost per forward, or until it has one the target's scaled by the weights."""
@@ -284,6 +280,7 @@ def _logprobs(rows: torch.Tensor, tokens: list[int], top_n: int) -> list[tuple[f
 
 
 def calibration_bucket(num_decodes: int) -> int:
+    """Batch sizes that share a calibration: powers of two (1, 2-3, 4-7, ...)."""
     return max(num_decodes, 1).bit_length()
 
 

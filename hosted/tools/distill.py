@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 import torch
@@ -13,14 +14,9 @@ def cli_distill(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    settings = DistillSettings(
-        teacher=args.teacher, out=args.out, work_dir=args.work_dir, layers=args.layers, hidden=args.hidden,
-        head_vocab=args.head_vocab, prompts=args.prompts, tokens=args.tokens, divergence=args.divergence,
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, max_prompt_tokens=args.max_prompt_tokens,
-        epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed, bf16=args.bf16,
-        checkpoint_every=args.checkpoint_every, held_out_percent=args.held_out_percent,
-        eval_prompts=args.eval_prompts, eval_tokens=args.eval_tokens,
-        num_speculative_tokens=args.num_speculative_tokens, progress=not args.no_progress)
+    # Every DistillSettings field with a flag of the same name comes from it (--no-progress is inverted).
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(DistillSettings) if hasattr(args, f.name)}
+    settings = DistillSettings(**given, progress=not args.no_progress)
     try:
         report = distill(settings)
     except (ConfigError, ValueError) as exc:

@@ -7,8 +7,16 @@ import random
 import pytest
 
 from hosted.spec.ngram import NgramIndex
-from hosted.spec.planner import (Acceptance, BackOff, Candidate, ScaledCost, StepCost, choose, expected_tokens,
-                                  plan_drafts)
+from hosted.spec.planner import (
+    Acceptance,
+    BackOff,
+    Candidate,
+    ScaledCost,
+    StepCost,
+    choose,
+    expected_tokens,
+    plan_drafts,
+)
 
 
 def _reference(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
