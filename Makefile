@@ -3,9 +3,12 @@ VENV    ?= .venv
 PYTHON  ?= python3
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed-stamp
+# Debian packages the tests drive: LibreOffice recomputes the workbook's formulas, Chromium loads the
+# dashboard. Installed once, only when missing (CI runs as root on a Debian machine).
+SYSTEM_TOOLS := /usr/bin/soffice /usr/bin/chromium
 export LITELLM_LOCAL_MODEL_COST_MAP := True
 
-.PHONY: install serve test lint bench-gateway clean
+.PHONY: install system-tools serve test lint bench-gateway clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,7 +25,14 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/switchyard serve $(ARGS)
 
-test: $(STAMP)
+$(SYSTEM_TOOLS):
+	DEBIAN_FRONTEND=noninteractive apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+		libreoffice-calc-nogui chromium fonts-dejavu-core
+
+system-tools: $(SYSTEM_TOOLS)
+
+test: $(STAMP) $(SYSTEM_TOOLS)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 lint: $(STAMP)

@@ -23,14 +23,16 @@ from gateway.backend_pool import BackendPool
 from gateway.backends.resilience import BreakerRegistry
 from gateway.budgets import BudgetBook
 from gateway.embedded import EmbeddedEngines
+from gateway.engine_load import EngineLoadMonitor
 from gateway.ledger.models import RequestRow
-from gateway.ledger.writer import LedgerWriter, ShadowEvalWriter
+from gateway.ledger.writer import LedgerWriter, ShadowEvalWriter, UptimeWriter
 from gateway.policy import Policy
 from gateway.policy_store import PolicyStore
 from gateway.ratelimit import RateLimiter
 from gateway.routing import RoutingRuntime
 from gateway.shadow.runner import ShadowRunner
 from gateway.tasks import cancel_and_wait
+from gateway.uptime import UptimeRecorder
 from openai_wire import APIError
 from openai_wire.responses import error_response
 
@@ -57,6 +59,7 @@ class Gateway:
     embedded: EmbeddedEngines
     routing: RoutingRuntime  # difficulty models and engine load (services hold both for the request path)
     services: proxy.Services
+    uptime_writer: UptimeWriter  # engine_uptime rows (the recorder inside routing.load feeds it)
     started_at: float = field(default_factory=time.time)
 
 
@@ -96,7 +99,10 @@ async def _start(config: GatewayConfig) -> Gateway:
     await policy_store.start()
     embedded = EmbeddedEngines(config.data_dir / "logs")
     pool = BackendPool(embedded)
-    breakers, limiter, routing = BreakerRegistry(), RateLimiter(), RoutingRuntime()
+    uptime_writer = UptimeWriter(config.database_url, config.data_dir / "uptime-spool.jsonl")
+    await uptime_writer.start()
+    breakers, limiter = BreakerRegistry(), RateLimiter()
+    routing = RoutingRuntime(load=EngineLoadMonitor(uptime=UptimeRecorder(uptime_writer.submit)))
     auth = Authenticator(db_engine, config.master_key)
     budgets = BudgetBook(lambda key_id: _spent_by_key(db_engine, key_id))
     shadow = ShadowRunner(pool, breakers, writer,
@@ -105,7 +111,8 @@ async def _start(config: GatewayConfig) -> Gateway:
     services = proxy.Services(auth=auth, policy_store=policy_store, models=routing.models, load=routing.load,
                               limiter=limiter, budgets=budgets, pool=pool, breakers=breakers, ledger=writer,
                               shadow=shadow)
-    gw = Gateway(config=config, db_engine=db_engine, embedded=embedded, routing=routing, services=services)
+    gw = Gateway(config=config, db_engine=db_engine, embedded=embedded, routing=routing, services=services,
+                 uptime_writer=uptime_writer)
     await _apply_policy(gw, policy_store.current)
 
     async def on_change(policy: Policy) -> None:
@@ -125,9 +132,10 @@ async def _stop(gw: Gateway) -> None:
     await services.policy_store.stop()
     if services.shadow is not None:
         await services.shadow.aclose()  # finishes queued shadow jobs (they use the pool and the ledger writer)
-    await gw.routing.aclose()
+    await gw.routing.aclose()  # writes each engine's open uptime interval
     await services.pool.aclose()
     await services.ledger.close()
+    await gw.uptime_writer.close()
     await gw.db_engine.dispose()
 
 

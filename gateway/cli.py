@@ -93,6 +93,58 @@ def _add_router(sub: argparse._SubParsersAction) -> None:
     r.set_defaults(func=guard(_lazy("gateway.cli_handlers", "router_retrain")))
 
 
+def _add_report(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("report", help="buy-versus-host reports from the ledger",
+                       description="Buy versus host: the workbook, capacity planning and the optimisation ladder.")
+    rsub = p.add_subparsers(dest="report_command", required=True)
+
+    def window(c: argparse.ArgumentParser) -> None:
+        c.add_argument("--since", default=None, metavar="DATE", help="first day (UTC, inclusive; or ISO time)")
+        c.add_argument("--until", default=None, metavar="DATE", help="last day (UTC, inclusive; or ISO time)")
+        c.add_argument("--database-url", default=None,
+                       help="ledger database (default: $SWITCHYARD_DATABASE_URL, else sqlite:///data/switchyard.db)")
+        c.add_argument("--policy", default=None, help="policy YAML for prices (default: policies/default.yaml)")
+
+    c = rsub.add_parser("spreadsheet", help="write the buy-versus-host workbook (or CSV files)",
+                        description="Build a workbook with live formulas from the ledger: Traffic, Prices, "
+                                    "In-house, Decision and Ladder sheets.")
+    c.add_argument("--out", required=True, metavar="FILE", help="FILE.xlsx (or a directory with --format csv)")
+    c.add_argument("--format", choices=("xlsx", "csv"), default="xlsx")
+    c.add_argument("--team", default=None, help="only this team's requests (engine time allocated by its share)")
+    window(c)
+    c.add_argument("--bench", default=None, metavar="FILE",
+                   help="engine benchmark JSON for the Ladder sheet (default: bench/results/cheaper_model.json)")
+    c.add_argument("--no-progress", action="store_true", help="no progress bar")
+    c.set_defaults(func=_lazy("gateway.reports.workbook", "run"))
+
+    c = rsub.add_parser("capacity", help="devices needed for a token rate (Little's Law in tokens)",
+                        description="Plan capacity in tokens per second from measured engine throughput curves, "
+                                    "with the roofline floor for decode on common accelerators.")
+    target = c.add_mutually_exclusive_group(required=True)
+    target.add_argument("--target-tokens-per-s", type=float, default=None, metavar="N",
+                        help="output tokens per second to serve")
+    target.add_argument("--from-ledger", action="store_true", help="the ledger's busiest hour's token rate")
+    c.add_argument("--p95-ttft-ms", type=float, default=None, metavar="T", help="time-to-first-token p95 target")
+    c.add_argument("--target-utilisation", type=float, default=0.6, metavar="U",
+                   help="busy fraction to plan devices at (default 0.6)")
+    c.add_argument("--curve", default=None, metavar="FILE", help="throughput curve JSON (default: bench/results/)")
+    c.add_argument("--backend", default=None, help="engine backend whose price to use (default: the first)")
+    c.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    window(c)
+    c.set_defaults(func=_lazy("gateway.reports.capacity", "run"))
+
+    c = rsub.add_parser("ladder", help="$/Mtok at each optimisation that stacks",
+                        description="One request at a time → continuous batching → prefix cache → quantization "
+                                    "→ speculative decoding: $/Mtok at each rung, from the engine benchmarks.")
+    c.add_argument("--bench", default="bench/results/cheaper_model.json", metavar="FILE")
+    c.add_argument("--backend", default=None, help="engine backend whose price to use (default: the first)")
+    c.add_argument("--utilisation", type=float, default=None, metavar="U",
+                   help="utilisation to price at (default: measured from the ledger)")
+    c.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    window(c)
+    c.set_defaults(func=_lazy("gateway.reports.ladder", "run"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="switchyard", description="Cost-aware model router and gateway.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -100,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_keys(sub)
     _add_policy(sub)
     _add_db(sub)
+    _add_report(sub)
     # Other packages register their own groups; their modules import heavy deps lazily.
     from hosted.cli import register as register_engine
 

@@ -21,6 +21,7 @@ import httpx
 from prometheus_client import Counter
 
 from gateway.tasks import cancel_and_wait
+from gateway.uptime import DevicePrice, UptimeRecorder
 
 log = logging.getLogger("switchyard.engine_load")
 
@@ -101,7 +102,8 @@ class _Engine:
         self.load = UNKNOWN
         self.history: deque[tuple[float, tuple[float, ...]]] = deque()
 
-    def update(self, text: str, now: float, window_s: float) -> None:
+    def update(self, text: str, now: float, window_s: float) -> dict[str, float]:
+        """Parse one scrape into `load`; returns its unlabelled samples."""
         values, buckets = parse_samples(text)
         bounds = tuple(b for b, _ in buckets)
         counts = tuple(c for _, c in buckets)
@@ -131,12 +133,14 @@ class _Engine:
             ttft_p95_ms=None if p95 is None else p95 * 1000,
             observed_at=now,
         )
+        return values
 
 
 class EngineLoadMonitor:
     def __init__(self, interval_s: float = 0.5, ttft_window_s: float = 30.0, stale_after_s: float = 3.0,
-                 timeout_s: float = 1.0) -> None:
+                 timeout_s: float = 1.0, uptime: UptimeRecorder | None = None) -> None:
         self.interval_s = interval_s
+        self.uptime = uptime  # records each engine's up and busy time from the same scrapes
         self.ttft_window_s = ttft_window_s
         self.stale_after_s = stale_after_s
         self.timeout_s = timeout_s
@@ -154,8 +158,13 @@ class EngineLoadMonitor:
             return UNKNOWN
         return load
 
-    def configure(self, targets: dict[str, str]) -> None:
-        """Scrape exactly these engines ({backend name: api_base}); starts the background task once."""
+    def configure(self, targets: dict[str, str], prices: dict[str, DevicePrice] | None = None) -> None:
+        """Scrape exactly these engines ({backend name: api_base}); starts the background task once.
+
+        `prices`: what each engine costs, for the uptime recorder's rows (engines without one are not
+        recorded)."""
+        if self.uptime is not None:
+            self.uptime.set_prices({n: p for n, p in (prices or {}).items() if n in targets})
         engines = {}
         for name, api_base in targets.items():
             url = metrics_url(api_base)
@@ -175,8 +184,12 @@ class EngineLoadMonitor:
         try:
             response = await self._client.get(engine.url)
             response.raise_for_status()
-            engine.update(response.text, time.monotonic(), self.ttft_window_s)
+            values = engine.update(response.text, time.monotonic(), self.ttft_window_s)
+            if self.uptime is not None:
+                self.uptime.observe(name, values.get(_P + "busy_seconds_total"))
         except (httpx.HTTPError, ValueError) as exc:
+            if self.uptime is not None:
+                self.uptime.lost(name)
             if engine.load.known:
                 log.info("engine %s load unknown (%s: %s)", name, type(exc).__name__, exc)
             engine.load = UNKNOWN
@@ -194,6 +207,8 @@ class EngineLoadMonitor:
     async def aclose(self) -> None:
         task, self._task = self._task, None
         await cancel_and_wait(task)
+        if self.uptime is not None:
+            self.uptime.flush()
         if self._client is not None:
             await self._client.aclose()
             self._client = None

@@ -56,6 +56,8 @@ class BackendSpec(_Strict):
     engine_args: dict[str, str | int | float] = Field(default_factory=dict)
     gpu_hour_usd: float = Field(default=0.0, ge=0)
     gpus: int = Field(default=1, ge=1)
+    # A CPU host's hourly price, for an engine served on CPUs: used instead of gpu_hour_usd × gpus.
+    cpu_hour_usd: float | None = Field(default=None, ge=0)
     # Budget reservation rate for engine backends (USD per million tokens); see gateway/pricing.py.
     reserve_usd_per_mtok: float | None = Field(default=None, ge=0)
     # litellm only: price overrides (USD per million tokens); litellm's bundled map otherwise
@@ -316,6 +318,9 @@ def _check_engine_backend(b: BackendSpec, p: tuple, add: _Add) -> None:
         if getattr(b, f) is not None:
             add(p + (f,), "per-token prices apply to litellm backends; engine cost is GPU-amortised",
                 "remove it and set `gpu_hour_usd`/`gpus` (or `reserve_usd_per_mtok` for budgets)")
+    if b.cpu_hour_usd is not None and (b.gpu_hour_usd or b.gpus != 1):
+        add(p + ("cpu_hour_usd",), "an engine is priced either per CPU host (`cpu_hour_usd`) or per GPU "
+            "(`gpu_hour_usd` × `gpus`), not both", "keep one of them")
 
 
 def _check_litellm_backend(b: BackendSpec, p: tuple, add: _Add) -> None:
@@ -324,9 +329,10 @@ def _check_litellm_backend(b: BackendSpec, p: tuple, add: _Add) -> None:
             add(p + (f,), f"'{f}' applies only to engine backends", "remove it, or set `kind: engine`")
     if b.engine_args:
         add(p + ("engine_args",), "'engine_args' applies only to engine backends", "remove it")
-    if b.gpu_hour_usd:
-        add(p + ("gpu_hour_usd",), "'gpu_hour_usd' applies only to engine backends",
-            "remove it; API prices come from litellm (override with input_usd_per_mtok/output_usd_per_mtok)")
+    for f in ("gpu_hour_usd", "cpu_hour_usd"):
+        if getattr(b, f):
+            add(p + (f,), f"'{f}' applies only to engine backends",
+                "remove it; API prices come from litellm (override with input_usd_per_mtok/output_usd_per_mtok)")
 
 
 def _check_route(policy: Policy, r: RouteSpec, p: tuple, report: _Report) -> None:
@@ -392,13 +398,18 @@ def policy_warnings(policy: Policy) -> list[str]:
     """Things that are valid but probably not intended (unpriced API models, unset key variables)."""
     import os
 
-    from gateway.pricing import prices_for
+    from gateway.pricing import device_hour_usd, prices_for
 
     out = []
     for name, b in policy.backends.items():
         if b.kind == "litellm" and prices_for(b) is None:
             out.append(f"{policy.source}: backends.{name}: litellm has no price for '{b.model}'; its requests "
-                       "would be logged at $0 — set input_usd_per_mtok and output_usd_per_mtok")
+                       "would be logged at $0 (flagged `unpriced_model`) — set input_usd_per_mtok and "
+                       "output_usd_per_mtok")
+        if b.kind == "engine" and not device_hour_usd(b):
+            out.append(f"{policy.source}: backends.{name}: no device price (`gpu_hour_usd` or `cpu_hour_usd`); "
+                       "its requests would be logged at $0 (flagged `no_device_price`) and reports cannot "
+                       "compare hosting with buying")
         if b.api_key_env and b.api_key_env not in os.environ:
             out.append(f"{policy.source}: backends.{name}: environment variable {b.api_key_env} is not set "
                        "(requests to this backend will fail until it is)")

@@ -38,7 +38,34 @@ class Cost:
     input_usd: float
     output_usd: float
     total_usd: float
-    basis: Literal["api_price", "gpu_amortized"]
+    basis: Literal["api_price", "gpu_amortized"]  # gpu_amortized: any in-house device (GPU or CPU host)
+    note: str | None = None  # why the cost is $0 or estimated (the ledger's cost_note); None when plain
+    cache_savings_usd: float | None = None  # API rows: cached prompt tokens × (input − cached price)
+
+
+# The reasons a ledger row's cost may be $0 or approximate (the `cost_note` column).
+NOTE_UNPRICED_MODEL = "unpriced_model"  # litellm has no price for the model and the policy sets none
+NOTE_NO_DEVICE_PRICE = "no_device_price"  # an engine backend without gpu_hour_usd / cpu_hour_usd
+NOTE_NO_DEVICE_SECONDS = "no_device_seconds"  # the engine reported no device time for the request
+NOTE_NO_TOKENS = "no_tokens"  # served, but no tokens were processed
+NOTE_DEVICE_SECONDS_ESTIMATED = "device_seconds_estimated"  # client left: device time from the learned rate
+NOTE_UTILISATION_FLOOR = "utilisation_floor"  # measured busy fraction below UTILISATION_FLOOR; floor used
+
+
+def device_hour_usd(spec: BackendSpec) -> float:
+    """What an engine backend costs per hour, all its devices together (0 for API backends)."""
+    if spec.kind != "engine":
+        return 0.0
+    if spec.cpu_hour_usd is not None:
+        return spec.cpu_hour_usd
+    return spec.gpus * spec.gpu_hour_usd
+
+
+def device_kind(spec: BackendSpec) -> str | None:
+    """'cpu' for an engine priced per CPU host, 'gpu' for one priced per GPU, None for API backends."""
+    if spec.kind != "engine":
+        return None
+    return "cpu" if spec.cpu_hour_usd is not None else "gpu"
 
 
 def _model_cost() -> dict:
@@ -101,10 +128,14 @@ def price_table_version() -> str:
 
 
 def api_cost(prices: Prices, usage: Usage) -> Cost:
+    """Tokens at the API price; cached prompt tokens at the provider's cached rate."""
     cached = min(max(usage.cached_prompt_tokens, 0), usage.prompt_tokens)
     input_usd = (usage.prompt_tokens - cached) * prices.input_per_token + cached * prices.cached_input_per_token
     output_usd = usage.completion_tokens * prices.output_per_token
-    return Cost(input_usd, output_usd, input_usd + output_usd, "api_price")
+    total = input_usd + output_usd
+    note = NOTE_NO_TOKENS if total == 0 and usage.prompt_tokens + usage.completion_tokens == 0 else None
+    savings = cached * (prices.input_per_token - prices.cached_input_per_token)
+    return Cost(input_usd, output_usd, total, "api_price", note, savings)
 
 
 def request_cost(spec: BackendSpec, usage: Usage, device_seconds: float | None = None,
@@ -112,36 +143,55 @@ def request_cost(spec: BackendSpec, usage: Usage, device_seconds: float | None =
     """The cost of one served request.
 
     litellm backends: tokens at the API price (cached prompt tokens at the cached rate).
-    engine backends: `gpu_amortized` = device_seconds × gpus × gpu_hour_usd / 3600 / max(utilisation, floor).
-    Dividing by the engine's measured busy fraction spreads the cost of idle GPU time over the work done, so
-    a half-idle GPU charges each request twice its device time. Unknown utilisation counts as 1.0; unknown
-    device_seconds as 0 (callers without the engine's figure should pass the request's wall time instead).
-    The total is split between input and output in proportion to prompt vs completion tokens: a simple,
-    explainable split (prefill is cheaper per token than decode, so it slightly overstates input).
+    engine backends: `gpu_amortized` = device_seconds × device_hour_usd / 3600 / max(utilisation, floor),
+    where device_hour_usd is gpus × gpu_hour_usd, or a CPU host's cpu_hour_usd. Dividing by the engine's
+    measured busy fraction spreads the cost of idle device time over the work done, so a half-idle GPU
+    charges each request twice its device time. Unknown utilisation counts as 1.0; unknown device_seconds
+    as 0 (callers without the engine's figure should pass the request's wall time instead). The reports
+    (gateway/reports/) do not rely on this per-row spread: they charge idle time from the engine's measured
+    uptime, as its own line. The total is split between input and output in proportion to prompt vs
+    completion tokens: a simple, explainable split (prefill is cheaper per token than decode).
+    A $0 cost always carries a note saying why.
     """
     if spec.kind == "litellm":
         prices = prices_for(spec)
         if prices is None:
-            return Cost(0.0, 0.0, 0.0, "api_price")
+            return Cost(0.0, 0.0, 0.0, "api_price", NOTE_UNPRICED_MODEL)
         return api_cost(prices, usage)
+    rate = device_hour_usd(spec)
     seconds = max(device_seconds or 0.0, 0.0)
+    note = None
+    if utilisation is not None and utilisation < UTILISATION_FLOOR:
+        note = NOTE_UTILISATION_FLOOR
     util = 1.0 if utilisation is None else min(max(utilisation, UTILISATION_FLOOR), 1.0)
-    total = seconds * spec.gpus * spec.gpu_hour_usd / 3600.0 / util
+    total = seconds * rate / 3600.0 / util
     tokens = usage.prompt_tokens + usage.completion_tokens
+    if total == 0:
+        note = (NOTE_NO_DEVICE_PRICE if rate == 0 else NOTE_NO_DEVICE_SECONDS if device_seconds is None
+                else NOTE_NO_TOKENS if tokens == 0 else NOTE_NO_DEVICE_SECONDS)
     input_usd = total * usage.prompt_tokens / tokens if tokens else 0.0
-    return Cost(input_usd, total - input_usd, total, "gpu_amortized")
+    return Cost(input_usd, total - input_usd, total, "gpu_amortized", note)
 
 
 def charge(record: LedgerRecord, spec: BackendSpec, usage: Usage, device_seconds: float | None,
-           utilisation: float | None, policy: Policy, route: RouteSpec) -> None:
-    """Fill a ledger row's token counts and cost columns for a request `spec` served with `usage`."""
+           utilisation: float | None, policy: Policy, route: RouteSpec, *, estimated: bool = False) -> None:
+    """Fill a ledger row's token counts and cost columns for a request `spec` served with `usage`.
+
+    `estimated`: device_seconds is the learned per-token rate's estimate, not the engine's figure."""
     cost = request_cost(spec, usage, device_seconds, utilisation)
     record.prompt_tokens = usage.prompt_tokens
     record.cached_prompt_tokens = usage.cached_prompt_tokens
     record.completion_tokens = usage.completion_tokens
     record.input_cost_usd, record.output_cost_usd = cost.input_usd, cost.output_usd
     record.cost_usd, record.cost_basis = cost.total_usd, cost.basis
-    record.gpu_seconds = device_seconds if spec.kind == "engine" else None
+    record.cost_note = NOTE_DEVICE_SECONDS_ESTIMATED if estimated and cost.total_usd > 0 else cost.note
+    record.cache_savings_usd = cost.cache_savings_usd
+    if spec.kind == "engine":
+        record.gpu_seconds = device_seconds
+        record.device_hour_usd, record.device_kind = device_hour_usd(spec), device_kind(spec)
+        record.utilisation = utilisation
+    else:
+        record.gpu_seconds = None
     record.counterfactual_cost_usd = counterfactual_cost(policy, route, usage)
     record.price_table_version = price_table_version()
 

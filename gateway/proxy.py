@@ -276,11 +276,13 @@ class _Relay:
         # cut short (no usage chunk): count what was actually streamed
         usage = tally.usage() if tally.complete_usage else tally.usage(
             admission.estimate_prompt_tokens(call.body, call.endpoint))
-        device_seconds = tally.device_seconds
+        device_seconds, estimated = tally.device_seconds, False
         if self.status == "client_closed" and device_seconds is None:
             device_seconds = self.services.pool.estimate_device_seconds(self.backend.name, usage)
+            estimated = device_seconds is not None
         _finish(self.services, call, self.backend.spec, Completion({}, usage, device_seconds, tally.utilisation),
-                status=self.status, error_type=self.error_type, answer=tally.text() if tally.parts else None)
+                status=self.status, error_type=self.error_type, answer=tally.text() if tally.parts else None,
+                device_seconds_estimated=estimated)
         call.in_flight.end()
 
 
@@ -298,7 +300,7 @@ async def _close(chunks: AsyncIterator[dict]) -> None:
 
 def _finish(services: Services, call: Call, spec: BackendSpec | None, completion: Completion | None, *,
             status: str = "ok", error_type: str | None = None, http_status: int | None = None,
-            answer: str | None = None) -> None:
+            answer: str | None = None, device_seconds_estimated: bool = False) -> None:
     """Price the request, settle its budget and rate limits, record metrics, queue its ledger row and (served
     and sampled) its shadow job. `answer`: the text produced, for opt-in logging and shadow evaluation."""
     record = call.record
@@ -311,7 +313,7 @@ def _finish(services: Services, call: Call, spec: BackendSpec | None, completion
         if call.chain and spec.name != call.chain[0]:
             record.route_reason = "fallback"  # routing: the chain's first choice did not serve it
         if completion is not None:
-            _charge(services, call, spec, completion, status)
+            _charge(services, call, spec, completion, status, device_seconds_estimated)
     if answer is not None and call.route.log_prompts:
         record.completion_text = answer
     services.budgets.settle(call.reservation, record.cost_usd)
@@ -321,12 +323,14 @@ def _finish(services: Services, call: Call, spec: BackendSpec | None, completion
         services.shadow.submit(call.shadow, spec.name, answer or "")
 
 
-def _charge(services: Services, call: Call, spec: BackendSpec, completion: Completion, status: str) -> None:
+def _charge(services: Services, call: Call, spec: BackendSpec, completion: Completion, status: str,
+            device_seconds_estimated: bool = False) -> None:
     """Cost, device-time learning, token rate limits and token/cost metrics of a request a backend served."""
     record, usage = call.record, completion.usage
     if completion.body.get("model"):
         record.served_model = completion.body["model"]
-    pricing.charge(record, spec, usage, completion.device_seconds, completion.utilisation, call.policy, call.route)
+    pricing.charge(record, spec, usage, completion.device_seconds, completion.utilisation, call.policy, call.route,
+                   estimated=device_seconds_estimated)
     if spec.kind == "engine" and completion.device_seconds is not None and status == "ok":
         services.pool.observe_device_seconds(spec.name, usage, completion.device_seconds)
     services.limiter.record_tokens(call.key, usage.prompt_tokens + usage.completion_tokens)

@@ -25,10 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gateway import admission
+from gateway import admission, pricing
 from gateway.engine_load import UNKNOWN, EngineLoad, EngineLoadMonitor
 from gateway.policy import IdleSpec, Policy, RouteSpec, SpilloverSpec
 from gateway.tasks import cancel_and_wait, poll_forever
+from gateway.uptime import DevicePrice
 
 if TYPE_CHECKING:
     from gateway.backend_pool import BackendPool
@@ -220,13 +221,15 @@ class RoutingRuntime:
 
     async def apply(self, policy: Policy, pool: BackendPool) -> None:
         """Called when a policy goes live (after the pool synced, so embedded engines have their URLs)."""
-        targets = {}
+        targets, prices = {}, {}
         for name, spec in policy.backends.items():
             backend = pool.get(name)
             api_base = getattr(backend, "api_base", None) or spec.api_base
             if spec.kind == "engine" and api_base:
                 targets[name] = api_base
-        self.load.configure(targets)
+                prices[name] = DevicePrice(pricing.device_hour_usd(spec), 1 if spec.cpu_hour_usd is not None
+                                           else spec.gpus, pricing.device_kind(spec) or "gpu")
+        self.load.configure(targets, prices)
         await self.models.sync(policy)
 
     async def aclose(self) -> None:

@@ -58,6 +58,11 @@ class EngineMetrics:
         self.busy_fraction = Gauge(p + "busy_fraction",
                                    "Seconds spent in forward passes / wall seconds, over the busy window",
                                    registry=r)
+        # Cumulative busy time, so that a scraper can measure utilisation over any interval it likes
+        # (the gateway records it per minute as the engine's paid-versus-busy time).
+        self.busy_seconds = Counter(p + "busy_seconds", "Seconds spent in forward passes and sampling since start",
+                                    registry=r)
+        self._busy_seen = 0.0
         self.preemptions = Gauge(p + "preemptions", "Sequences preempted (recomputed) since start", registry=r)
         self.ready = Gauge(p + "ready", "1 once the model is loaded", registry=r)
         # Speculative decoding: counters advanced by the engine's totals at each scrape.
@@ -86,6 +91,8 @@ class EngineMetrics:
             self.prefix_hit_tokens.set(s.prefix_hit_tokens)
             self.prefix_query_tokens.set(s.prefix_queries_tokens)
             self.busy_fraction.set(engine.utilisation())
+            self.busy_seconds.inc(max(0.0, s.busy_seconds - self._busy_seen))
+            self._busy_seen = max(self._busy_seen, s.busy_seconds)
             self.preemptions.set(s.num_preemptions)
             seen_proposed, seen_accepted = self._spec_seen
             self.spec_proposed.inc(max(0, s.spec_proposed_tokens - seen_proposed))

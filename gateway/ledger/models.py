@@ -52,6 +52,12 @@ class RequestRow(Base):
     route_reason: Mapped[str | None] = mapped_column(String(64))
     prompt_text: Mapped[str | None] = mapped_column(Text)  # only when the policy opts in
     completion_text: Mapped[str | None] = mapped_column(Text)  # only when the policy opts in
+    # Buy-versus-host attribution (migration 0003)
+    device_hour_usd: Mapped[float | None] = mapped_column(Float)  # engine rows: hourly price, all devices
+    device_kind: Mapped[str | None] = mapped_column(String(16))  # engine rows: gpu | cpu
+    utilisation: Mapped[float | None] = mapped_column(Float)  # engine rows: busy fraction amortised at
+    cost_note: Mapped[str | None] = mapped_column(String(64))  # why the cost is $0 or estimated
+    cache_savings_usd: Mapped[float | None] = mapped_column(Float)  # API rows: what the cached rate saved
 
     __table_args__ = (
         Index("ix_requests_created_at", "created_at"),
@@ -107,3 +113,26 @@ class ShadowEvalRow(Base):
     policy_version: Mapped[str | None] = mapped_column(String(64))
 
     __table_args__ = (Index("ix_shadow_evals_route_created_at", "route", "created_at"),)
+
+
+class EngineUptimeRow(Base):
+    """One engine's measured up and busy seconds over one interval, written by the gateway's load monitor.
+
+    Paid device time is up time (an engine is paid for while it runs, busy or not); busy time is the
+    engine's own forward-pass counter. The difference is the cost of idle, which the reports show as its
+    own line instead of hiding it in per-request prices.
+    """
+
+    __tablename__ = "engine_uptime"
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
+    interval_id: Mapped[str] = mapped_column(String(200), unique=True, nullable=False)  # backend|start|instance
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)  # interval start
+    backend: Mapped[str] = mapped_column(String(128), nullable=False)
+    seconds: Mapped[float] = mapped_column(Float, nullable=False)
+    busy_seconds: Mapped[float] = mapped_column(Float, nullable=False)
+    device_hour_usd: Mapped[float] = mapped_column(Float, nullable=False)
+    devices: Mapped[int] = mapped_column(Integer, nullable=False, default=1)
+    device_kind: Mapped[str] = mapped_column(String(16), nullable=False, default="gpu")
+
+    __table_args__ = (Index("ix_engine_uptime_backend_created_at", "backend", "created_at"),)

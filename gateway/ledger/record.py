@@ -88,6 +88,26 @@ class LedgerRecord(SpoolRecord):
     route_reason: str | None = None
     prompt_text: str | None = None
     completion_text: str | None = None
+    # Buy-versus-host attribution (migration 0003)
+    device_hour_usd: float | None = None  # engine rows: the engine's hourly price, all devices
+    device_kind: str | None = None  # engine rows: gpu | cpu
+    utilisation: float | None = None  # engine rows: the busy fraction the cost was amortised at
+    cost_note: str | None = None  # why the cost is $0 or estimated (gateway/pricing.py NOTE_*)
+    cache_savings_usd: float | None = None  # API rows: cached prompt tokens × (input − cached price)
+
+
+@dataclass(slots=True)
+class UptimeRecord(SpoolRecord):
+    """Mirrors EngineUptimeRow: one engine's measured up and busy time over one interval (a minute)."""
+
+    interval_id: str
+    created_at: datetime  # the interval's start (UTC)
+    backend: str
+    seconds: float  # wall seconds the engine answered its metrics within the interval
+    busy_seconds: float  # of those, seconds it spent in forward passes (its own counter)
+    device_hour_usd: float  # the engine's hourly price, all devices
+    devices: int = 1
+    device_kind: str = "gpu"
 
 
 @dataclass(slots=True)

@@ -17,6 +17,8 @@ STABLE_COLUMNS: tuple[str, ...] = (
 EXTRA_COLUMNS: tuple[str, ...] = (
     "input_cost_usd", "output_cost_usd", "error_type", "price_table_version", "route_reason",
     "endpoint", "stream", "http_status", "attempts",
+    # migration 0003
+    "device_hour_usd", "device_kind", "utilisation", "cost_note", "cache_savings_usd",
 )
 
 ALL_COLUMNS: tuple[str, ...] = STABLE_COLUMNS + EXTRA_COLUMNS

@@ -34,8 +34,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.sql.dml import Insert
 
 from gateway.db import async_url, create_engine
-from gateway.ledger.models import RequestRow, ShadowEvalRow
-from gateway.ledger.record import LedgerRecord, ShadowRecord, SpoolRecord
+from gateway.ledger.models import EngineUptimeRow, RequestRow, ShadowEvalRow
+from gateway.ledger.record import LedgerRecord, ShadowRecord, SpoolRecord, UptimeRecord
 
 log = logging.getLogger("switchyard.ledger")
 
@@ -50,7 +50,7 @@ QUEUE_DEPTH = Gauge("switchyard_ledger_queue_depth", "Ledger rows waiting in mem
 BATCH_SECONDS = Histogram("switchyard_ledger_batch_write_seconds", "Time to write one batch to the database",
                           buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
 
-def _insert_statement(table: Table, dialect: str) -> Insert:
+def _insert_statement(table: Table, dialect: str, key: str = "request_id") -> Insert:
     """INSERT into `table` that skips rows whose request_id is already there (replays are idempotent).
 
     Executed with a list of rows, SQLAlchemy renders this one cached statement as a single multi-row
@@ -59,12 +59,12 @@ def _insert_statement(table: Table, dialect: str) -> Insert:
     it also tells how many rows were new (SQLite ≥ 3.35 supports it).
     """
     if dialect == "postgresql":
-        stmt = postgresql.insert(table).on_conflict_do_nothing(index_elements=["request_id"])
+        stmt = postgresql.insert(table).on_conflict_do_nothing(index_elements=[key])
     elif dialect == "sqlite":
-        stmt = sqlite.insert(table).on_conflict_do_nothing(index_elements=["request_id"])
+        stmt = sqlite.insert(table).on_conflict_do_nothing(index_elements=[key])
     else:
         raise RuntimeError(f"unsupported ledger database dialect: {dialect} (use SQLite or PostgreSQL)")
-    return stmt.returning(table.c.request_id)
+    return stmt.returning(table.c[key])
 
 
 @dataclass(slots=True)
@@ -101,6 +101,7 @@ class LedgerWriter:
     # The table it writes and what the spool's JSON lines are read back as (ShadowEvalWriter sets its own).
     table: Table = RequestRow.__table__
     record_type: type[SpoolRecord] = LedgerRecord
+    key_column = "request_id"  # unique per row: replays skip rows already written
 
     def __init__(self, database_url: str, spool_path: Path, *, max_queue: int = 10_000,
                  batch_size: int = 256, flush_interval_s: float = 0.2,
@@ -164,7 +165,7 @@ class LedgerWriter:
             # A hung statement must not stall the ledger forever: it fails, and the batch is spooled.
             engine_kwargs["connect_args"] = {"command_timeout": 30}
         self._engine = create_engine(self.database_url, **engine_kwargs)
-        self._insert = _insert_statement(self.table, self._engine.dialect.name)
+        self._insert = _insert_statement(self.table, self._engine.dialect.name, self.key_column)
         self._task = asyncio.create_task(self._run(), name="ledger-writer")
 
     def submit(self, record: LedgerRecord) -> None:
@@ -589,3 +590,11 @@ class ShadowEvalWriter(LedgerWriter):
 
     table = ShadowEvalRow.__table__
     record_type = ShadowRecord
+
+
+class UptimeWriter(LedgerWriter):
+    """The same queue, batching, spool and replay, writing `engine_uptime` (give it its own spool file)."""
+
+    table = EngineUptimeRow.__table__
+    record_type = UptimeRecord
+    key_column = "interval_id"

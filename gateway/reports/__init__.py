@@ -1,0 +1,1 @@
+"""Buy-versus-host reports over the ledger."""

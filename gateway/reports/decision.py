@@ -1,0 +1,185 @@
+"""Buy or host: the monthly cost of all-API, all-hosted and the current mix, and the break-even points.
+
+`DecisionInputs.from_ledger` gathers the measured inputs (traffic, prices, throughput, utilisation);
+`decide` computes the outputs. The workbook's Decision sheet writes the same arithmetic as live Excel
+formulas over the same inputs (gateway/reports/workbook.py), and its test checks LibreOffice's answers
+against `decide`, so the two can never drift apart silently.
+
+The model, per month (730 hours; the window's traffic scaled by 730 h / the window's hours):
+- all-API: every token at the reference API's prices (uncached, cached and output per Mtok).
+- all-hosted: the device-hours that many tokens need at the measured throughput, divided by the
+  utilisation (idle hours are paid too), times the engines' hourly price.
+- current mix: API-served tokens at their own backends' prices, plus the engines' measured up-hours
+  at their hourly price.
+- break-even utilisation: the utilisation at which all-hosted equals all-API; hosting wins above it.
+- break-even daily tokens: the tokens a day at which the API would cost what running the current
+  engines around the clock costs (more traffic than that and hosting is cheaper, up to the engines'
+  capacity).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gateway.reports.figures import HOURS_PER_MONTH, EngineRow, Ledger, Summary, Window
+
+
+@dataclass(frozen=True, slots=True)
+class ApiPrice:
+    backend: str
+    model: str
+    input_per_mtok: float
+    cached_per_mtok: float
+    output_per_mtok: float
+
+
+@dataclass(frozen=True, slots=True)
+class ApiTraffic:
+    """One API backend's tokens in the window, with its prices (None when unpriced)."""
+
+    backend: str
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    completion_tokens: int
+    spend_usd: float
+    price: ApiPrice | None
+
+
+@dataclass(slots=True)
+class DecisionInputs:
+    window_hours: float
+    prompt_tokens: int  # all traffic in the window (served by anyone)
+    cached_prompt_tokens: int
+    completion_tokens: int
+    reference: ApiPrice | None  # the API that all-API is priced at
+    api: list[ApiTraffic]
+    device_hour_usd: float  # all engines together
+    devices: int
+    tokens_per_s: float | None  # engines' measured throughput (tokens per busy second)
+    up_hours: float  # engines' measured up time in the window
+    busy_hours: float
+    utilisation: float | None  # measured busy / up; None without uptime rows
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def monthly_scale(self) -> float:
+        return HOURS_PER_MONTH / self.window_hours if self.window_hours > 0 else 0.0
+
+    @classmethod
+    def from_ledger(cls, ledger: Ledger, window: Window, policy) -> DecisionInputs:
+        summary = ledger.summary(window)
+        engines = ledger.engines(window)
+        return cls.from_figures(summary, engines, ledger.api_backends(window), policy)
+
+    @classmethod
+    def from_figures(cls, summary: Summary, engines: list[EngineRow], api_rows, policy) -> DecisionInputs:
+        prices = api_prices(policy)
+        notes: list[str] = []
+        reference = reference_price(policy, prices)
+        if reference is None:
+            notes.append("no priced API backend in the policy: all-API and break-even cannot be computed")
+        api = [ApiTraffic(r.backend, r.prompt_tokens, r.cached_prompt_tokens, r.completion_tokens, r.spend_usd,
+                          prices.get(r.backend)) for r in api_rows]
+        for a in api:
+            if a.price is None:
+                notes.append(f"API backend {a.backend!r} has no price in the policy: its tokens count at $0 "
+                             "in the current mix")
+        up = sum(e.up_seconds for e in engines)
+        busy = sum(e.busy_seconds for e in engines)
+        seconds = sum(e.throughput_seconds for e in engines)
+        tokens = sum(e.tokens for e in engines)
+        hourly = sum(e.device_hour_usd or 0.0 for e in engines)
+        if not engines:
+            notes.append("no in-house engine traffic or uptime in the window: all-hosted uses the policy's "
+                         "engine price but has no measured throughput")
+            hourly = sum(_engine_hour_usd(b) for b in policy.backends.values() if b.kind == "engine")
+        elif not any(e.has_uptime for e in engines):
+            notes.append("no engine_uptime rows: paid hours and utilisation are unknown (the gateway records "
+                         "them while it scrapes its engines)")
+        return cls(
+            window_hours=summary.days * 24.0,
+            prompt_tokens=summary.prompt_tokens, cached_prompt_tokens=summary.cached_prompt_tokens,
+            completion_tokens=summary.completion_tokens, reference=reference, api=api,
+            device_hour_usd=hourly, devices=sum(e.devices for e in engines) or 1,
+            tokens_per_s=tokens / seconds if seconds > 0 and tokens > 0 else None,
+            up_hours=up / 3600.0, busy_hours=busy / 3600.0, utilisation=busy / up if up > 0 else None,
+            notes=notes)
+
+
+@dataclass(frozen=True, slots=True)
+class DecisionResult:
+    monthly_prompt_tokens: float
+    monthly_cached_tokens: float
+    monthly_completion_tokens: float
+    all_api_usd: float | None
+    all_hosted_usd: float | None
+    current_mix_usd: float
+    idle_usd: float  # the engines' idle hours this month, at their price
+    break_even_utilisation: float | None
+    break_even_daily_tokens: float | None
+    capacity_daily_tokens: float | None  # the engines' tokens a day at 100% busy
+    cheaper: str  # "API", "hosting" or "unknown"
+
+
+def _per_mtok(tokens: float, price: float) -> float:
+    return tokens * price / 1e6
+
+
+def decide(x: DecisionInputs, utilisation: float | None = None) -> DecisionResult:
+    """The outputs at `utilisation` (default: the measured one)."""
+    u = x.utilisation if utilisation is None else utilisation
+    m = x.monthly_scale
+    p, c, o = x.prompt_tokens * m, x.cached_prompt_tokens * m, x.completion_tokens * m
+    tokens = p + o
+    all_api = None
+    if x.reference is not None:
+        r = x.reference
+        all_api = _per_mtok(p - c, r.input_per_mtok) + _per_mtok(c, r.cached_per_mtok) + _per_mtok(o, r.output_per_mtok)
+    busy_hours_needed = tokens / (x.tokens_per_s * 3600.0) if x.tokens_per_s else None
+    all_hosted = (busy_hours_needed / u * x.device_hour_usd
+                  if busy_hours_needed is not None and u is not None and u > 0 else None)
+    api_part = 0.0
+    for a in x.api:
+        if a.price is not None:
+            api_part += m * (_per_mtok(a.prompt_tokens - a.cached_prompt_tokens, a.price.input_per_mtok)
+                             + _per_mtok(a.cached_prompt_tokens, a.price.cached_per_mtok)
+                             + _per_mtok(a.completion_tokens, a.price.output_per_mtok))
+    current = api_part + x.up_hours * m * x.device_hour_usd
+    idle = (x.up_hours - x.busy_hours) * m * x.device_hour_usd
+    be_util = (busy_hours_needed * x.device_hour_usd / all_api
+               if busy_hours_needed is not None and all_api else None)
+    be_tokens = (x.device_hour_usd * 24.0 / (all_api / tokens)
+                 if all_api and tokens > 0 and x.device_hour_usd > 0 else None)
+    capacity = x.tokens_per_s * 86400.0 if x.tokens_per_s else None
+    cheaper = "unknown"
+    if all_api is not None and all_hosted is not None:
+        cheaper = "hosting" if all_hosted < all_api else "API"
+    return DecisionResult(p, c, o, all_api, all_hosted, current, idle, be_util, be_tokens, capacity, cheaper)
+
+
+def _engine_hour_usd(spec) -> float:
+    from gateway.pricing import device_hour_usd
+
+    return device_hour_usd(spec)
+
+
+def api_prices(policy) -> dict[str, ApiPrice]:
+    """Per-Mtok prices of every priced litellm backend in the policy."""
+    from gateway.pricing import prices_for
+
+    out = {}
+    for name, spec in policy.backends.items():
+        prices = prices_for(spec)
+        if prices is not None:
+            out[name] = ApiPrice(name, spec.model, prices.input_per_token * 1e6, prices.cached_input_per_token * 1e6,
+                                 prices.output_per_token * 1e6)
+    return out
+
+
+def reference_price(policy, prices: dict[str, ApiPrice]) -> ApiPrice | None:
+    """The API the all-API scenario is priced at: the first route's counterfactual with a price, else the
+    first priced API backend."""
+    for route in policy.routes.values():
+        spec = policy.counterfactual_spec(route)
+        if spec is not None and spec.name in prices:
+            return prices[spec.name]
+    return next(iter(prices.values()), None)

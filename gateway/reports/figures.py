@@ -1,0 +1,423 @@
+"""Every number the buy-versus-host reports show, computed once, in SQL, from the ledger.
+
+The spreadsheet, the CSV files, the dashboard's JSON and `report capacity --from-ledger` all read these
+functions, so a figure means the same thing everywhere. Definitions (docs/sql-cookbook.md repeats them):
+
+- **paid** device time is an engine's measured up time (`engine_uptime.seconds`): an engine is paid for
+  while it runs. **busy** time is the engine's own forward-pass counter over the same intervals.
+  **utilisation** = busy / paid. **cost of idle** = (paid − busy) × the engine's hourly price.
+- **charged** is what the ledger rows say the requests cost (`cost_usd`, each row amortised at the busy
+  fraction of its moment). It is an estimate per request; the reports' truth is paid time.
+- **throughput** is tokens (prompt + completion) per busy second: what the engine does when it works.
+- With `team`, engine time is allocated to the team by its share of the engine's attributed device
+  seconds (`gpu_seconds`) in the window: idle time is shared out at the measured utilisation.
+
+Sync SQLAlchemy Core, portable between SQLite and PostgreSQL; days and hours are UTC.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import sqlalchemy as sa
+
+HOURS_PER_MONTH = 730.0  # 8,760 hours a year / 12
+UTILISATION_LEVELS = (0.10, 0.25, 0.50, 0.75, 1.00)
+
+
+class ReportError(ValueError):
+    """Bad report input (a date that does not parse, an unreachable database): a clear message, exit 1."""
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """Which ledger rows a report covers: [since, until) in UTC, optionally one team's."""
+
+    since: datetime | None = None
+    until: datetime | None = None
+    team: str | None = None
+
+    @classmethod
+    def parse(cls, since: str | None = None, until: str | None = None, team: str | None = None) -> Window:
+        """`--since DATE` is inclusive, `--until DATE` too (a bare date means up to the end of that day)."""
+        return cls(_parse_time(since, "--since", end_of_day=False), _parse_time(until, "--until", end_of_day=True),
+                   team)
+
+    def describe(self) -> str:
+        parts = [f"since {self.since:%Y-%m-%d %H:%M} UTC" if self.since else "from the first row",
+                 f"until {self.until:%Y-%m-%d %H:%M} UTC (exclusive)" if self.until else "to the last row"]
+        if self.team:
+            parts.append(f"team {self.team!r}")
+        return ", ".join(parts)
+
+
+def _parse_time(text: str | None, flag: str, *, end_of_day: bool) -> datetime | None:
+    if text is None or text == "":
+        return None
+    try:
+        value = datetime.fromisoformat(text)
+    except ValueError:
+        raise ReportError(f"{flag} {text!r} is not a date: write YYYY-MM-DD or an ISO-8601 time") from None
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=UTC)
+    value = value.astimezone(UTC)
+    if end_of_day and re.fullmatch(r"\d{4}-\d{2}-\d{2}", text.strip()):
+        value += timedelta(days=1)
+    return value
+
+
+# --------------------------------------------------------------------------------------------- rows
+
+
+@dataclass(frozen=True, slots=True)
+class TrafficRow:
+    """Tokens and spend of one UTC day, route and backend."""
+
+    day: str
+    route: str | None
+    backend: str | None
+    cost_basis: str | None
+    requests: int
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    completion_tokens: int
+    spend_usd: float
+    counterfactual_usd: float  # what the route's API alternative would have charged (0 where none)
+
+
+@dataclass(frozen=True, slots=True)
+class ApiBackendRow:
+    """One API backend's traffic in the window, and the price-table version its rows were costed with."""
+
+    backend: str
+    served_model: str | None
+    requests: int
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    completion_tokens: int
+    spend_usd: float
+    cache_savings_usd: float
+    unpriced_requests: int  # rows flagged cost_note = 'unpriced_model'
+    price_table_version: str | None
+
+
+@dataclass(slots=True)
+class EngineRow:
+    """One engine backend over the window: what was paid, what was busy, what it served."""
+
+    backend: str
+    device_hour_usd: float | None  # the latest hourly price seen (uptime rows, else request rows)
+    devices: int
+    device_kind: str | None
+    has_uptime: bool  # False: no engine_uptime rows, so paid time and idle are unknown
+    up_seconds: float
+    busy_seconds: float
+    paid_usd: float
+    busy_usd: float
+    requests: int
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    completion_tokens: int
+    attributed_seconds: float  # SUM(gpu_seconds) of its requests
+    charged_usd: float  # SUM(cost_usd) of its requests
+    counterfactual_usd: float
+    team_share: float = 1.0  # with a team filter: the team's share of attributed seconds
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    @property
+    def idle_usd(self) -> float:
+        return self.paid_usd - self.busy_usd
+
+    @property
+    def utilisation(self) -> float | None:
+        return self.busy_seconds / self.up_seconds if self.up_seconds > 0 else None
+
+    @property
+    def throughput_seconds(self) -> float:
+        """Busy seconds behind the served tokens: measured busy time, else the rows' device seconds."""
+        return self.busy_seconds if self.has_uptime and self.busy_seconds > 0 else self.attributed_seconds
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Tokens (prompt + completion) per busy second, for the whole engine."""
+        s = self.throughput_seconds
+        return self.tokens / s if s > 0 else None
+
+    @property
+    def tokens_per_device_s(self) -> float | None:
+        t = self.tokens_per_s
+        return None if t is None else t / max(self.devices, 1)
+
+    @property
+    def usd_per_mtok_measured(self) -> float | None:
+        """Paid cost per million tokens served (idle included); None without uptime or tokens."""
+        if not self.has_uptime or self.tokens == 0:
+            return None
+        return self.paid_usd / self.tokens * 1e6
+
+    def usd_per_mtok_at(self, utilisation: float) -> float | None:
+        """Device price / (throughput × 3600 × utilisation), per million tokens."""
+        t = self.tokens_per_s
+        if t is None or not self.device_hour_usd or utilisation <= 0:
+            return None
+        return self.device_hour_usd / (t * 3600.0 * utilisation) * 1e6
+
+
+@dataclass(frozen=True, slots=True)
+class HourRow:
+    hour: str  # 'YYYY-MM-DD HH' (UTC)
+    backend: str
+    up_seconds: float
+    busy_seconds: float
+
+    @property
+    def utilisation(self) -> float | None:
+        return self.busy_seconds / self.up_seconds if self.up_seconds > 0 else None
+
+
+@dataclass(slots=True)
+class Summary:
+    """Whole-window totals for the decision: how much traffic, on which side, over how many days."""
+
+    first: datetime | None
+    last: datetime | None
+    days: float  # covered span in days (≥ 1 hour's worth, so a one-request ledger still scales)
+    requests: int
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    completion_tokens: int
+    spend_usd: float
+    api_spend_usd: float
+    in_house_charged_usd: float
+    counterfactual_usd: float  # for in-house rows with an API alternative
+    zero_cost_unexplained: int  # served rows at $0 with no cost_note: must be 0
+    notes: dict[str, int] = field(default_factory=dict)  # cost_note → rows
+
+
+# --------------------------------------------------------------------------------------------- SQL
+
+
+def day_sql(dialect: str, column: str = "created_at") -> str:
+    if dialect == "postgresql":
+        return f"to_char({column} AT TIME ZONE 'UTC', 'YYYY-MM-DD')"
+    return f"SUBSTR({column}, 1, 10)"
+
+
+def hour_sql(dialect: str, column: str = "created_at") -> str:
+    if dialect == "postgresql":
+        return f"to_char({column} AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24')"
+    return f"SUBSTR({column}, 1, 13)"
+
+
+class Ledger:
+    """Report queries over one database. `Ledger.open(url)`; use as a context manager or call close()."""
+
+    def __init__(self, engine: sa.Engine) -> None:
+        self.engine = engine
+        self.dialect = engine.dialect.name
+
+    @classmethod
+    def open(cls, url: str) -> Ledger:
+        from gateway import db
+
+        try:
+            engine = sa.create_engine(db.sync_url(url))
+            with engine.connect() as conn:
+                conn.execute(sa.text("SELECT 1 FROM requests WHERE 1 = 0"))
+        except sa.exc.SQLAlchemyError as exc:
+            raise ReportError(f"cannot read the ledger at {db.redact_url(url)}: {type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0]} (run `switchyard db upgrade` first?)") from None
+        return cls(engine)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    def __enter__(self) -> Ledger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -------------------------------------------------------------------- helpers
+
+    def _where(self, w: Window, *, team: bool = True, extra: str = "") -> tuple[str, dict[str, Any]]:
+        clauses, params = [], {}
+        if w.since is not None:
+            clauses.append("created_at >= :since")
+            params["since"] = w.since
+        if w.until is not None:
+            clauses.append("created_at < :until")
+            params["until"] = w.until
+        if team and w.team is not None:
+            clauses.append("team = :team")
+            params["team"] = w.team
+        if extra:
+            clauses.append(extra)
+        return ("WHERE " + " AND ".join(clauses)) if clauses else "", params
+
+    def _rows(self, sql: str, params: dict[str, Any]) -> list[sa.Row]:
+        stmt = sa.text(sql)
+        for name in ("since", "until"):
+            if name in params:
+                stmt = stmt.bindparams(sa.bindparam(name, type_=sa.DateTime(timezone=True)))
+        with self.engine.connect() as conn:
+            return list(conn.execute(stmt, params))
+
+    # -------------------------------------------------------------------- queries
+
+    def summary(self, w: Window) -> Summary:
+        where, params = self._where(w)
+        row = self._rows(f"""
+            SELECT MIN(created_at), MAX(created_at), COUNT(*),
+                   COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(cached_prompt_tokens), 0),
+                   COALESCE(SUM(completion_tokens), 0), COALESCE(SUM(cost_usd), 0.0),
+                   COALESCE(SUM(CASE WHEN cost_basis = 'api_price' THEN cost_usd ELSE 0.0 END), 0.0),
+                   COALESCE(SUM(CASE WHEN cost_basis = 'gpu_amortized' THEN cost_usd ELSE 0.0 END), 0.0),
+                   COALESCE(SUM(CASE WHEN cost_basis = 'gpu_amortized' THEN counterfactual_cost_usd ELSE 0.0 END),
+                            0.0),
+                   COALESCE(SUM(CASE WHEN status = 'ok' AND cost_usd = 0 AND cost_note IS NULL
+                                     AND backend IS NOT NULL THEN 1 ELSE 0 END), 0)
+            FROM requests {where}""", params)[0]
+        first, last = _as_utc(row[0]), _as_utc(row[1])
+        span_days = (last - first).total_seconds() / 86400.0 if first and last else 0.0
+        where_n, params_n = self._where(w, extra="cost_note IS NOT NULL")
+        notes = {r[0]: int(r[1]) for r in self._rows(
+            f"SELECT cost_note, COUNT(*) FROM requests {where_n} GROUP BY cost_note ORDER BY cost_note", params_n)}
+        return Summary(first, last, max(span_days, 1.0 / 24.0) if first else 0.0, int(row[2]), int(row[3]),
+                       int(row[4]), int(row[5]), float(row[6]), float(row[7]), float(row[8]), float(row[9]),
+                       int(row[10]), notes)
+
+    def traffic_daily(self, w: Window) -> list[TrafficRow]:
+        where, params = self._where(w)
+        day = day_sql(self.dialect)
+        return [TrafficRow(r[0], r[1], r[2], r[3], int(r[4]), int(r[5]), int(r[6]), int(r[7]), float(r[8]),
+                           float(r[9]))
+                for r in self._rows(f"""
+            SELECT {day} AS day, route, backend, cost_basis, COUNT(*),
+                   SUM(prompt_tokens), SUM(cached_prompt_tokens), SUM(completion_tokens), SUM(cost_usd),
+                   COALESCE(SUM(counterfactual_cost_usd), 0.0)
+            FROM requests {where}
+            GROUP BY {day}, route, backend, cost_basis
+            ORDER BY day, route, backend, cost_basis""", params)]
+
+    def api_backends(self, w: Window) -> list[ApiBackendRow]:
+        where, params = self._where(w, extra="cost_basis = 'api_price' AND backend IS NOT NULL")
+        return [ApiBackendRow(r[0], r[1], int(r[2]), int(r[3]), int(r[4]), int(r[5]), float(r[6]), float(r[7]),
+                              int(r[8]), r[9])
+                for r in self._rows(f"""
+            SELECT backend, MAX(served_model), COUNT(*), SUM(prompt_tokens), SUM(cached_prompt_tokens),
+                   SUM(completion_tokens), SUM(cost_usd), COALESCE(SUM(cache_savings_usd), 0.0),
+                   SUM(CASE WHEN cost_note = 'unpriced_model' THEN 1 ELSE 0 END), MAX(price_table_version)
+            FROM requests {where}
+            GROUP BY backend ORDER BY backend""", params)]
+
+    def engines(self, w: Window) -> list[EngineRow]:
+        """Every engine backend with uptime or requests in the window."""
+        uw, up = self._where(w, team=False)
+        uptime = {r[0]: r for r in self._rows(f"""
+            SELECT backend, SUM(seconds), SUM(busy_seconds), SUM(seconds * device_hour_usd) / 3600.0,
+                   SUM(busy_seconds * device_hour_usd) / 3600.0, MAX(devices), MAX(device_kind),
+                   MAX(device_hour_usd)
+            FROM engine_uptime {uw} GROUP BY backend""", up)}
+        rw, rp = self._where(w, extra="cost_basis = 'gpu_amortized' AND backend IS NOT NULL")
+        served = {r[0]: r for r in self._rows(f"""
+            SELECT backend, COUNT(*), SUM(prompt_tokens), SUM(cached_prompt_tokens), SUM(completion_tokens),
+                   COALESCE(SUM(gpu_seconds), 0.0), SUM(cost_usd), COALESCE(SUM(counterfactual_cost_usd), 0.0),
+                   MAX(device_hour_usd), MAX(device_kind)
+            FROM requests {rw} GROUP BY backend""", rp)}
+        everyone: dict[str, float] = {}
+        if w.team is not None:
+            aw, ap = self._where(w, team=False, extra="cost_basis = 'gpu_amortized' AND backend IS NOT NULL")
+            everyone = {r[0]: float(r[1]) for r in self._rows(
+                f"SELECT backend, COALESCE(SUM(gpu_seconds), 0.0) FROM requests {aw} GROUP BY backend", ap)}
+        out = []
+        for name in sorted(set(uptime) | set(served)):
+            u, s = uptime.get(name), served.get(name)
+            attributed = float(s[5]) if s else 0.0
+            share = 1.0
+            if w.team is not None:
+                total = everyone.get(name, 0.0)
+                share = attributed / total if total > 0 else 0.0
+            out.append(EngineRow(
+                backend=name,
+                device_hour_usd=float(u[7]) if u else (float(s[8]) if s and s[8] is not None else None),
+                devices=int(u[5]) if u else 1,
+                device_kind=(u[6] if u else (s[9] if s else None)),
+                has_uptime=u is not None,
+                up_seconds=float(u[1]) * share if u else 0.0,
+                busy_seconds=float(u[2]) * share if u else 0.0,
+                paid_usd=float(u[3]) * share if u else 0.0,
+                busy_usd=float(u[4]) * share if u else 0.0,
+                requests=int(s[1]) if s else 0,
+                prompt_tokens=int(s[2]) if s else 0,
+                cached_prompt_tokens=int(s[3]) if s else 0,
+                completion_tokens=int(s[4]) if s else 0,
+                attributed_seconds=attributed,
+                charged_usd=float(s[6]) if s else 0.0,
+                counterfactual_usd=float(s[7]) if s else 0.0,
+                team_share=share,
+            ))
+        return out
+
+    def busy_by_hour(self, w: Window) -> list[HourRow]:
+        """Each engine's up and busy seconds per UTC hour (the engine's own counters; not per team)."""
+        where, params = self._where(w, team=False)
+        hour = hour_sql(self.dialect)
+        return [HourRow(r[0], r[1], float(r[2]), float(r[3])) for r in self._rows(f"""
+            SELECT {hour} AS hour, backend, SUM(seconds), SUM(busy_seconds)
+            FROM engine_uptime {where} GROUP BY {hour}, backend ORDER BY hour, backend""", params)]
+
+    def idle_daily(self, w: Window) -> list[dict[str, Any]]:
+        """Per engine per UTC day: paid, busy and idle hours and dollars (not per team)."""
+        where, params = self._where(w, team=False)
+        day = day_sql(self.dialect)
+        return [dict(day=r[0], backend=r[1], paid_hours=float(r[2]) / 3600, busy_hours=float(r[3]) / 3600,
+                     paid_usd=float(r[4]), busy_usd=float(r[5]), idle_usd=float(r[4]) - float(r[5]))
+                for r in self._rows(f"""
+            SELECT {day} AS day, backend, SUM(seconds), SUM(busy_seconds), SUM(seconds * device_hour_usd) / 3600.0,
+                   SUM(busy_seconds * device_hour_usd) / 3600.0
+            FROM engine_uptime {where} GROUP BY {day}, backend ORDER BY day, backend""", params)]
+
+    def spend_daily(self, w: Window) -> list[dict[str, Any]]:
+        """Spend per UTC day and backend (rows with a backend), with the in-house rows' API alternative."""
+        where, params = self._where(w, extra="backend IS NOT NULL")
+        day = day_sql(self.dialect)
+        return [dict(day=r[0], backend=r[1], cost_basis=r[2], requests=int(r[3]), tokens=int(r[4]),
+                     spend_usd=float(r[5]), counterfactual_usd=float(r[6]))
+                for r in self._rows(f"""
+            SELECT {day} AS day, backend, MAX(cost_basis), COUNT(*), SUM(prompt_tokens + completion_tokens),
+                   SUM(cost_usd), COALESCE(SUM(counterfactual_cost_usd), 0.0)
+            FROM requests {where} GROUP BY {day}, backend ORDER BY day, backend""", params)]
+
+    def top(self, w: Window, column: str, limit: int = 10) -> list[dict[str, Any]]:
+        """The `team`s or `route`s that cost the most."""
+        if column not in ("team", "route"):
+            raise ValueError(column)
+        where, params = self._where(w, extra=f"{column} IS NOT NULL")
+        params["limit"] = limit
+        return [dict(name=r[0], requests=int(r[1]), tokens=int(r[2]), spend_usd=float(r[3]))
+                for r in self._rows(f"""
+            SELECT {column}, COUNT(*), SUM(prompt_tokens + completion_tokens), SUM(cost_usd)
+            FROM requests {where} GROUP BY {column} ORDER BY SUM(cost_usd) DESC, {column} LIMIT :limit""", params)]
+
+    def decisions(self, w: Window) -> list[dict[str, Any]]:
+        """Router decisions: requests per route, reason and backend."""
+        where, params = self._where(w, extra="route IS NOT NULL")
+        return [dict(route=r[0], reason=r[1] or "none", backend=r[2] or "none", requests=int(r[3]))
+                for r in self._rows(f"""
+            SELECT route, route_reason, backend, COUNT(*) FROM requests {where}
+            GROUP BY route, route_reason, backend ORDER BY route, route_reason, backend""", params)]
+
+
+def _as_utc(value: Any) -> datetime | None:
+    """A timestamp as read back (SQLite: naive text or datetime; PostgreSQL: aware) → aware UTC."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = datetime.fromisoformat(value)
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)

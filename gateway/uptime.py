@@ -1,0 +1,108 @@
+"""Each engine's paid time versus busy time, measured from its own counters and recorded per minute.
+
+An engine is paid for while it runs, busy or idle. The load monitor (gateway/engine_load.py) scrapes every
+engine's /metrics a few times a second; each successful scrape hands this recorder the engine's
+cumulative `switchyard_engine_busy_seconds_total`. Between two successful scrapes the engine was up for
+the wall time between them (capped at `max_gap_s`, so an engine that stopped answering is not counted
+as up) and busy for the counter's increase. The sums are cut into `interval_s` buckets of wall-clock
+time and written as `engine_uptime` rows: the reports' paid device-hours, busy fraction and cost of idle
+come from these rows, not from per-request estimates.
+"""
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from gateway.ledger.record import UptimeRecord
+
+
+@dataclass(frozen=True, slots=True)
+class DevicePrice:
+    """What one engine backend costs: per hour for all its devices, how many, and of which kind."""
+
+    hour_usd: float
+    devices: int = 1
+    kind: str = "gpu"
+
+
+@dataclass(slots=True)
+class _Interval:
+    start: float  # wall-clock seconds of the bucket's start
+    seconds: float = 0.0
+    busy: float = 0.0
+
+
+@dataclass(slots=True)
+class _State:
+    last_mono: float | None = None
+    last_busy: float = 0.0
+    interval: _Interval | None = None
+
+
+class UptimeRecorder:
+    def __init__(self, submit: Callable[[UptimeRecord], None], *, interval_s: float = 60.0,
+                 max_gap_s: float = 5.0, instance: str | None = None) -> None:
+        self._submit = submit
+        self.interval_s = interval_s
+        self.max_gap_s = max_gap_s
+        self.instance = instance or uuid.uuid4().hex[:12]  # several gateways may scrape one engine
+        self._prices: dict[str, DevicePrice] = {}
+        self._states: dict[str, _State] = {}
+
+    def set_prices(self, prices: dict[str, DevicePrice]) -> None:
+        """The engines to record (policy changes): engines no longer listed have their time written out."""
+        for name in list(self._states):
+            if name not in prices:
+                self._emit(name, self._states.pop(name))
+        self._prices = dict(prices)
+
+    def observe(self, backend: str, busy_total: float | None, *, mono: float | None = None,
+                wall: float | None = None) -> None:
+        """A successful scrape of `backend` whose busy counter reads `busy_total` (None: engine too old)."""
+        if backend not in self._prices or busy_total is None or not math.isfinite(busy_total):
+            return
+        mono = time.monotonic() if mono is None else mono
+        wall = time.time() if wall is None else wall
+        state = self._states.setdefault(backend, _State())
+        if state.last_mono is not None:
+            up = min(max(mono - state.last_mono, 0.0), self.max_gap_s)
+            busy = busy_total - state.last_busy
+            if busy < 0:  # the engine restarted: its counter began again
+                busy = busy_total
+            self._add(backend, state, wall, up, min(max(busy, 0.0), up))
+        state.last_mono, state.last_busy = mono, busy_total
+
+    def lost(self, backend: str) -> None:
+        """A failed scrape: the time until the next successful one is not counted as up."""
+        state = self._states.get(backend)
+        if state is not None:
+            state.last_mono = None
+
+    def flush(self) -> None:
+        """Write every open interval (at shutdown)."""
+        for name, state in self._states.items():
+            self._emit(name, state)
+
+    def _add(self, backend: str, state: _State, wall: float, up: float, busy: float) -> None:
+        start = math.floor(wall / self.interval_s) * self.interval_s
+        if state.interval is not None and state.interval.start != start:
+            self._emit(backend, state)
+        if state.interval is None:
+            state.interval = _Interval(start)
+        state.interval.seconds += up
+        state.interval.busy += busy
+
+    def _emit(self, backend: str, state: _State) -> None:
+        interval, state.interval = state.interval, None
+        price = self._prices.get(backend)
+        if interval is None or interval.seconds <= 0 or price is None:
+            return
+        started = datetime.fromtimestamp(interval.start, UTC)
+        self._submit(UptimeRecord(
+            interval_id=f"{backend}|{started.isoformat()}|{self.instance}", created_at=started, backend=backend,
+            seconds=interval.seconds, busy_seconds=interval.busy, device_hour_usd=price.hour_usd,
+            devices=price.devices, device_kind=price.kind))
