@@ -65,6 +65,7 @@ def test_embedded_engine_serves_and_is_restarted_when_it_dies(tiny_model_dir, st
         backend, _ = ask()
         assert backend == "local" and process.restarts == 1
 
+        time.sleep(2.0)  # the load monitor scrapes the engine a few times: its up and busy time are measured
         gateway.call(gateway.gw.services.ledger.flush)
         rows = ledger_rows(gateway.config.database_url)
         local_rows = [r for r in rows if r["backend"] == "local"]
@@ -72,3 +73,23 @@ def test_embedded_engine_serves_and_is_restarted_when_it_dies(tiny_model_dir, st
         assert all(r["cost_basis"] == "gpu_amortized" and r["gpu_seconds"] > 0 and r["cost_usd"] > 0
                    for r in local_rows)
         assert local_rows[1]["cached_prompt_tokens"] > 0
+        assert all((r["device_hour_usd"], r["device_kind"]) == (2.0, "gpu") and r["utilisation"] is not None
+                   for r in local_rows)
+    # At shutdown the recorder writes each engine's open interval: its measured up and busy time.
+    uptime = _uptime_rows(gateway.config.database_url)
+    assert {r["backend"] for r in uptime} == {"local"}  # the stand-in has no busy counter: not recorded
+    up, busy = sum(r["seconds"] for r in uptime), sum(r["busy_seconds"] for r in uptime)
+    assert 0 < busy <= up and all(r["device_hour_usd"] == 2.0 and r["device_kind"] == "gpu" for r in uptime)
+
+
+def _uptime_rows(url: str) -> list[dict]:
+    import sqlalchemy as sa
+
+    from gateway import db
+
+    engine = sa.create_engine(db.sync_url(url))
+    try:
+        with engine.connect() as conn:
+            return [dict(r._mapping) for r in conn.execute(sa.text("SELECT * FROM engine_uptime"))]
+    finally:
+        engine.dispose()

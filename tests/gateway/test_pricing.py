@@ -150,3 +150,88 @@ routes:
     warnings = policy_warnings(policy)
     assert any("no price for 'openai/partner-llama'" in w and "input_usd_per_mtok" in w for w in warnings)
     assert any("PARTNER_KEY is not set" in w for w in warnings)
+
+
+def test_every_zero_cost_carries_its_reason(map_entry: dict) -> None:
+    from gateway import pricing
+
+    usage = Usage(prompt_tokens=100, completion_tokens=20)
+    assert request_cost(api("openai/unknown-model-xyz"), usage).note == pricing.NOTE_UNPRICED_MODEL
+    assert request_cost(api(), Usage()).note == pricing.NOTE_NO_TOKENS
+    assert request_cost(api(), usage).note is None
+    assert request_cost(engine(gpu_hour_usd=0.0), usage, 1.0, 1.0).note == pricing.NOTE_NO_DEVICE_PRICE
+    assert request_cost(engine(), usage, None, 1.0).note == pricing.NOTE_NO_DEVICE_SECONDS
+    assert request_cost(engine(), usage, 0.0, 1.0).note == pricing.NOTE_NO_DEVICE_SECONDS
+    floored = request_cost(engine(), usage, 1.0, 0.01)
+    assert floored.total_usd > 0 and floored.note == pricing.NOTE_UTILISATION_FLOOR
+    assert request_cost(engine(), usage, 1.0, 0.5).note is None
+
+
+def test_a_cpu_host_price_replaces_the_gpu_price() -> None:
+    from gateway.pricing import device_hour_usd, device_kind
+
+    cpu = engine(gpu_hour_usd=0.0, cpu_hour_usd=0.36)
+    assert (device_hour_usd(cpu), device_kind(cpu)) == (0.36, "cpu")
+    gpu = engine(gpu_hour_usd=2.5, gpus=4)
+    assert (device_hour_usd(gpu), device_kind(gpu)) == (10.0, "gpu")
+    assert (device_hour_usd(api()), device_kind(api())) == (0.0, None)
+    # 10 s on a $0.36/h host at full load: $0.001
+    cost = request_cost(cpu, Usage(prompt_tokens=10, completion_tokens=10), 10.0, 1.0)
+    assert cost.total_usd == pytest.approx(0.001) and cost.basis == "gpu_amortized"
+
+
+def test_cpu_hour_usd_is_validated() -> None:
+    from gateway.policy import PolicyError
+
+    with pytest.raises(PolicyError, match="either per CPU host"):
+        parse_policy("""\
+backends:
+  e: {kind: engine, api_base: "http://h/v1", model: m, cpu_hour_usd: 0.4, gpu_hour_usd: 2.5}
+routes:
+  r: {backend: e}
+""", "c.yaml")
+    with pytest.raises(PolicyError, match="'cpu_hour_usd' applies only to engine backends"):
+        parse_policy("""\
+backends:
+  a: {kind: litellm, model: openai/gpt-4o-mini, cpu_hour_usd: 0.4}
+routes:
+  r: {backend: a}
+""", "c.yaml")
+    ok = parse_policy("""\
+backends:
+  e: {kind: engine, api_base: "http://h/v1", model: m, cpu_hour_usd: 0.4}
+routes:
+  r: {backend: e}
+""", "c.yaml")
+    assert ok.backends["e"].cpu_hour_usd == 0.4
+
+
+def test_policy_warns_about_an_engine_without_a_device_price() -> None:
+    policy = parse_policy("""\
+backends:
+  e: {kind: engine, api_base: "http://h/v1", model: m}
+routes:
+  r: {backend: e}
+""", "w.yaml")
+    assert any("backends.e: no device price" in w and "no_device_price" in w for w in policy_warnings(policy))
+
+
+def test_charge_fills_the_attribution_columns(map_entry: dict) -> None:
+    from datetime import UTC, datetime
+
+    from gateway.ledger.record import LedgerRecord
+    from gateway.pricing import NOTE_DEVICE_SECONDS_ESTIMATED, charge
+
+    policy = parse_policy(POLICY, "t.yaml")
+    usage = Usage(prompt_tokens=1000, completion_tokens=100, cached_prompt_tokens=600)
+    row = LedgerRecord(request_id="r1", created_at=datetime.now(UTC))
+    charge(row, policy.backends["mini"], usage, None, None, policy, policy.routes["demo"])
+    saved = 600 * (map_entry["input_cost_per_token"] - map_entry["cache_read_input_token_cost"])
+    assert row.cache_savings_usd == pytest.approx(saved) and saved > 0
+    assert (row.device_hour_usd, row.device_kind, row.gpu_seconds, row.cost_note) == (None, None, None, None)
+
+    row = LedgerRecord(request_id="r2", created_at=datetime.now(UTC))
+    charge(row, policy.backends["local"], usage, 1.5, 0.25, policy, policy.routes["demo"], estimated=True)
+    assert (row.device_hour_usd, row.device_kind, row.utilisation, row.gpu_seconds) == (2.5, "gpu", 0.25, 1.5)
+    assert row.cost_usd == pytest.approx(1.5 * 2.5 / 3600 / 0.25)
+    assert row.cost_note == NOTE_DEVICE_SECONDS_ESTIMATED
