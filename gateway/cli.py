@@ -142,7 +142,7 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
                    help="utilisation to price at (default: measured from the ledger)")
     c.add_argument("--json", action="store_true", help="print JSON instead of a table")
     window(c)
-    c.set_defaults(func=_lazy("gateway.reports.ladder", "run"))
+    c.set_defaults(func=_lazy("gateway.cli_handlers", "report_ladder"))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -78,3 +78,24 @@ def router_retrain(args: argparse.Namespace) -> int:
         raise DataError("retrain reads the gateway's shadow evaluations: pass --from-ledger")
     url = settings.database_url(args.database_url)
     return retrain_from(args, lambda: load_shadow_set(url, args.route))
+
+
+def report_ladder(args: argparse.Namespace) -> int:
+    """`switchyard report ladder`: the benchmark's rungs priced at the ledger's measured utilisation."""
+    from gateway import settings
+    from gateway.reports import ladder
+    from gateway.reports.figures import Ledger, ReportError, Window
+
+    measured = None
+    if args.utilisation is None:
+        try:
+            window = Window.parse(args.since, args.until)
+            with Ledger.open(settings.database_url(args.database_url)) as ledger:
+                engines = [e for e in ledger.engines(window)
+                           if e.has_uptime and (args.backend is None or e.backend == args.backend)]
+        except ReportError as exc:
+            print(f"note: no measured utilisation ({exc}); pricing at 100% only", file=sys.stderr)
+            engines = []
+        up = sum(e.up_seconds for e in engines)
+        measured = sum(e.busy_seconds for e in engines) / up if up > 0 else None
+    return ladder.run(args, measured_utilisation=measured)

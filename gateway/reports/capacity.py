@@ -104,8 +104,8 @@ def _curve_from_spec(data: dict[str, Any], source: str) -> Curve:
     prompt = (data.get("meta") or {}).get("prompt_tokens")
     return Curve(tuple(points), f"{source} (spec: plain decode rows)", tokens,
                  float(prompt) if prompt else None,
-                 ("decode-only rates (prefill not timed), mean of the workloads at each batch size; "
-                  "no TTFT measured", "time in system = c × tokens per request ÷ tokens/s (Little's Law)"))
+                 (("decode-only rates (prefill not timed), mean of the workloads at each batch size; "
+                  "no TTFT measured"), "time in system = c × tokens per request ÷ tokens/s (Little's Law)"))
 
 
 def _curve_from_throughput(data: dict[str, Any], source: str) -> Curve:
@@ -259,7 +259,7 @@ def parse_when(value: str | date | datetime | None) -> datetime | None:
         dt = datetime(value.year, value.month, value.day)
     else:
         try:
-            dt = datetime.fromisoformat(str(value).strip().replace("Z", "+00:00"))
+            dt = datetime.fromisoformat(str(value).strip())
         except ValueError:
             raise CapacityError(f"not a date or ISO timestamp: {value!r} (e.g. 2025-03-01)") from None
     return dt.replace(tzinfo=UTC) if dt.tzinfo is None else dt.astimezone(UTC)
@@ -268,7 +268,19 @@ def parse_when(value: str | date | datetime | None) -> datetime | None:
 def ledger_load(url: str, since: str | datetime | None = None, until: str | datetime | None = None,
                 backend: str | None = None) -> LedgerLoad:
     """The busiest hour (by output tokens) of successful requests in [since, until), optionally one backend."""
-    from sqlalchemy import DateTime, Integer, String, and_, cast, column, create_engine, func, literal_column, select, table
+    from sqlalchemy import (
+        DateTime,
+        Integer,
+        String,
+        and_,
+        cast,
+        column,
+        create_engine,
+        func,
+        literal_column,
+        select,
+        table,
+    )
     from sqlalchemy.exc import SQLAlchemyError
 
     from gateway.db import redact_url, sync_url
@@ -481,10 +493,10 @@ def format_report(r: CapacityReport) -> str:
     p = r.plan
     lines = ["Capacity plan (tokens per second)", ""]
     if r.load:
-        lines += [f"ledger: {r.load.requests:,} ok requests over {r.load.hours_with_traffic} hours with traffic; "
+        lines += [(f"ledger: {r.load.requests:,} ok requests over {r.load.hours_with_traffic} hours with traffic; "
                   f"busiest hour {r.load.busiest_hour}:00 UTC: {r.load.output_tok_s:,.2f} output tok/s, "
                   f"{r.load.prompt_tok_s:,.2f} prompt tok/s; mean {r.load.mean_prompt_tokens:,.1f} prompt + "
-                  f"{r.load.mean_completion_tokens:,.1f} completion tokens per request", ""]
+                  f"{r.load.mean_completion_tokens:,.1f} completion tokens per request"), ""]
     lines += ["| concurrency | output tok/s per device | TTFT p50 ms | TTFT p95 ms | time in system s | |",
               "| ---: | ---: | ---: | ---: | ---: | --- |"]
     for x in r.curve.points:
@@ -495,19 +507,19 @@ def format_report(r: CapacityReport) -> str:
               f"target λ                  {p.target_tokens_per_s:,.2f} output tokens/s",
               f"operating point           concurrency {p.point.concurrency}"
               + (f", TTFT p95 {p.point.ttft_p95_ms:,.0f} ms" if p.point.ttft_p95_ms is not None else ""),
-              f"tokens/s per device       {p.point.output_tok_s:,.1f} measured, "
-              f"{p.point.output_tok_s * p.target_utilisation:,.1f} at {p.target_utilisation:.0%} utilisation",
-              f"request rate              {p.request_rate_per_s:,.3f} /s ({p.mean_completion_tokens:,.1f} "
-              "output tokens per request)",
+              (f"tokens/s per device       {p.point.output_tok_s:,.1f} measured, "
+              f"{p.point.output_tok_s * p.target_utilisation:,.1f} at {p.target_utilisation:.0%} utilisation"),
+              (f"request rate              {p.request_rate_per_s:,.3f} /s ({p.mean_completion_tokens:,.1f} "
+              "output tokens per request)"),
               f"time in system            {p.seconds_in_system:,.2f} s",
-              f"sequences in flight (L)   {p.sequences_in_flight:,.2f} total, {p.sequences_per_device:,.2f} "
-              "per device",
+              (f"sequences in flight (L)   {p.sequences_in_flight:,.2f} total, {p.sequences_per_device:,.2f} "
+              "per device"),
               f"devices needed            {p.devices} (each at {p.achieved_utilisation:.0%} of measured throughput)",
-              f"monthly device cost       ${r.monthly_usd:,.2f} ({p.devices} × ${r.price.usd_per_hour:g}/h "
-              f"× {HOURS_PER_MONTH} h, backend {r.price.backend})"]
+              (f"monthly device cost       ${r.monthly_usd:,.2f} ({p.devices} × ${r.price.usd_per_hour:g}/h "
+              f"× {HOURS_PER_MONTH} h, backend {r.price.backend})")]
     if r.roofline_rows:
-        lines += ["", f"Decode roofline floor, ms per token for one sequence at {r.roofline_context} tokens of "
-                      "context (no engine goes faster):", "",
+        lines += ["", (f"Decode roofline floor, ms per token for one sequence at {r.roofline_context} tokens of "
+                      "context (no engine goes faster):"), "",
                   roofline.format_table(r.roofline_rows, r.roofline_accelerators).rstrip()]
     lines += ["", "Assumptions:"] + [f"  - {x}" for x in r.assumptions]
     return "\n".join(lines) + "\n"

@@ -163,7 +163,7 @@ class EngineRow:
     def usd_per_mtok_at(self, utilisation: float) -> float | None:
         """Device price / (throughput × 3600 × utilisation), per million tokens."""
         t = self.tokens_per_s
-        if t is None or not self.device_hour_usd or utilisation <= 0:
+        if not t or not self.device_hour_usd or utilisation <= 0:  # t == 0: busy time but no tokens
             return None
         return self.device_hour_usd / (t * 3600.0 * utilisation) * 1e6
 

@@ -194,8 +194,8 @@ def format_ladder(rungs: list[LadderRung], device_hour_usd: float, price_source:
                                   f"each, a {meta.get('system_prompt_tokens')}-token shared system prompt)"
                                   if meta.get("requests") else ""),
          f"device price ${device_hour_usd:g}/h for the whole engine: {price_source}",
-         "$/Mtok = device_hour_usd / (tok_s × 3600 × utilisation) × 1e6, output tokens only; tok/s is every "
-         "output token over the whole workload's wall time (prefill included)"]
+         ("$/Mtok = device_hour_usd / (tok_s × 3600 × utilisation) × 1e6, output tokens only; tok/s is every "
+         "output token over the whole workload's wall time (prefill included)")]
     if measured:
         a.append(f"measured utilisation {utilisation:.1%}" + (
             f", floored at {UTILISATION_FLOOR:.0%}" if utilisation < UTILISATION_FLOOR else ""))

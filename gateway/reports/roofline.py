@@ -40,16 +40,16 @@ CPU_LABEL = "this CPU"
 DEFAULT_CONTEXT_TOKENS = 1024
 
 ASSUMPTIONS = (
-    "decode floor = (parameters × bytes/parameter + KV bytes read per token) ÷ peak memory bandwidth: "
+    ("decode floor = (parameters × bytes/parameter + KV bytes read per token) ÷ peak memory bandwidth: "
     "every weight is read once per decode step (a tied embedding is read by the head), compute is free, "
-    "and nothing stays in cache between steps",
-    "int8 / int4 include one fp16 scale per 32-value block (1.0625 / 0.5625 B per parameter); "
-    "their KV cache is fp16, fp32 and bf16 keep the KV cache in their own dtype",
-    "the floor is per replica on one device: a second GPU serving another replica doubles throughput but "
+    "and nothing stays in cache between steps"),
+    ("int8 / int4 include one fp16 scale per 32-value block (1.0625 / 0.5625 B per parameter); "
+    "their KV cache is fp16, fp32 and bf16 keep the KV cache in their own dtype"),
+    ("the floor is per replica on one device: a second GPU serving another replica doubles throughput but "
     "does not lower the floor; tensor parallelism over N GPUs has each GPU read 1/N of the bytes "
-    "(floor ÷ N per token, before all-reduce cost) at N times the device cost",
-    "a batch of B sequences shares one weight read per step, so B × 1000 / floor_ms tokens/s is the "
-    "aggregate ceiling only while the KV reads stay small next to the weights",
+    "(floor ÷ N per token, before all-reduce cost) at N times the device cost"),
+    ("a batch of B sequences shares one weight read per step, so B × 1000 / floor_ms tokens/s is the "
+    "aggregate ceiling only while the KV reads stay small next to the weights"),
 )
 
 
