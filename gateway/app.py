@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway import db, metrics, pricing, proxy
+from gateway import dashboard, db, metrics, pricing, proxy
 from gateway.auth import Authenticator
 from gateway.backend_pool import BackendPool
 from gateway.backends.resilience import BreakerRegistry
@@ -85,6 +85,7 @@ async def _lifespan(app: Starlette):
         await cancel_and_wait(lag_watcher)
         # uvicorn has stopped accepting and drained in-flight requests: flush everything they logged.
         await _stop(gw)
+        dashboard.close(app)
 
 
 async def _start(config: GatewayConfig) -> Gateway:
@@ -189,6 +190,7 @@ def create_app(config: GatewayConfig) -> Starlette:
             Route("/v1/models", list_models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", prometheus, methods=["GET"]),
+            *dashboard.routes(),
         ],
         lifespan=_lifespan,
         exception_handlers={404: _not_found, 405: _method_not_allowed},

@@ -183,3 +183,17 @@ def reference_price(policy, prices: dict[str, ApiPrice]) -> ApiPrice | None:
         if spec is not None and spec.name in prices:
             return prices[spec.name]
     return next(iter(prices.values()), None)
+
+
+def standing(result: DecisionResult, utilisation: float | None) -> str:
+    """Where this deployment stands, in one sentence: the reports' headline."""
+    be = result.break_even_utilisation
+    if be is None:
+        return "not enough measurements to compare hosting with the API"
+    if be > 1.0:
+        return (f"hosting cannot beat the API at the measured throughput even fully busy (break-even would be "
+                f"{be:.0%}: it needs {be:.1f}x the tokens per device-dollar)")
+    if utilisation is None:
+        return f"hosting wins above {be:.1%} utilisation (utilisation not measured yet)"
+    side = "hosting is cheaper" if utilisation >= be else "the API is cheaper"
+    return f"{side}: utilisation {utilisation:.1%} against a break-even of {be:.1%}"
