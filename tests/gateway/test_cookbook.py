@@ -1,7 +1,9 @@
 """Every query in docs/sql-cookbook.md runs on SQLite and PostgreSQL and gives the right answer.
 
-The ledger is seeded through the real LedgerWriter; expected answers are computed in Python from the
-same records.
+The `cost_ledger` queries run on a ledger seeded through the real LedgerWriter; expected answers are computed
+in Python from the same records. The queries over the buy-versus-host views (migration 0003) run on a ledger
+from gateway/testing/ledger_seed.py (engine_uptime rows included); their expected answers are computed in
+Python from that ledger's raw `requests` and `engine_uptime` rows.
 """
 from __future__ import annotations
 
@@ -19,11 +21,18 @@ from sqlalchemy import create_engine
 from gateway.db import sync_url
 from gateway.ledger.record import LedgerRecord
 from gateway.ledger.writer import LedgerWriter
+from gateway.testing import ledger_seed
 
 COOKBOOK = Path(__file__).resolve().parents[2] / "docs" / "sql-cookbook.md"
 T0 = datetime(2025, 3, 1, tzinfo=UTC)
 TEAMS = ("labs", "search", "support")
 BACKENDS = {"local": "gpu_amortized", "mini": "api_price", "big": "api_price"}
+VIEWS = ("daily_spend", "engine_utilisation_hourly", "route_cost_per_1k_requests", "realised_savings_daily",
+         "prefix_cache_savings_daily", "engine_idle_daily")
+
+
+def uses_views(sql: str) -> bool:
+    return any(re.search(rf"\b{v}\b", sql) for v in VIEWS)
 
 
 def cookbook_queries() -> dict[str, str]:
@@ -111,8 +120,11 @@ async def seeded(migrated_db_url: str, tmp_path: Path) -> tuple[str, list[Ledger
 def test_cookbook_has_enough_portable_queries() -> None:
     queries = cookbook_queries()
     assert len(queries) >= 8
+    assert sum(uses_views(sql) for sql in queries.values()) >= 8
+    for view in VIEWS:
+        assert any(re.search(rf"\b{view}\b", sql) for sql in queries.values()), f"no query reads {view}"
     for heading, sql in queries.items():
-        assert "cost_ledger" in sql, heading
+        assert "cost_ledger" in sql or uses_views(sql), heading
         # keep them portable: no dialect-only functions or casts
         for banned in ("::", "percentile_cont", "date_trunc", "strftime(", "julianday", "interval", "ilike"):
             assert banned not in sql.lower(), f"{heading!r} uses non-portable {banned!r}"
@@ -121,7 +133,7 @@ def test_cookbook_has_enough_portable_queries() -> None:
 def test_every_query_runs_and_answers_correctly(seeded: tuple[str, list[LedgerRecord]]) -> None:
     url, records = seeded
     queries = cookbook_queries()
-    results = {heading: run(url, sql) for heading, sql in queries.items()}
+    results = {heading: run(url, sql) for heading, sql in queries.items() if not uses_views(sql)}
     for heading, rows in results.items():
         assert rows, f"{heading!r} returned no rows"
     ok = [r for r in records if r.status == "ok"]
@@ -218,3 +230,144 @@ def test_every_query_runs_and_answers_correctly(seeded: tuple[str, list[LedgerRe
         last[team] = cumulative
     for team in TEAMS:
         assert last[team] == approx(sum(r.cost_usd for r in records if r.team == team))
+
+
+# ---------------------------------------------------------------------------------- the buy-versus-host views
+
+
+def _utc_text(value) -> str:
+    """created_at as read back (SQLite: UTC text; PostgreSQL: an aware datetime) → 'YYYY-MM-DD HH:MM:SS' UTC."""
+    if isinstance(value, str):
+        return value[:19]
+    return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+@pytest.fixture
+def seeded_views(migrated_db_url: str) -> str:
+    # 4,000 requests a day: busy enough that some hours are above 5% utilisation and some below
+    ledger_seed.seed(migrated_db_url, rows=8000, days=2, seed=11)
+    return migrated_db_url
+
+
+def test_view_queries_answer_correctly(seeded_views: str) -> None:
+    url = seeded_views
+    queries = {h: sql for h, sql in cookbook_queries().items() if uses_views(sql)}
+    results = {heading: run(url, sql) for heading, sql in queries.items()}
+    for heading, rows in results.items():
+        assert rows, f"{heading!r} returned no rows"
+    approx = lambda x: pytest.approx(x, rel=1e-9, abs=1e-12)
+    reqs = [dict(zip(("t", "team", "route", "backend", "basis", "p", "c", "o", "cost", "cf", "gpu", "sav"),
+                     (_utc_text(r[0]), *r[1:]), strict=True))
+            for r in run(url, "SELECT created_at, team, route, backend, cost_basis, prompt_tokens, cached_prompt_tokens, "
+                              "completion_tokens, cost_usd, counterfactual_cost_usd, gpu_seconds, cache_savings_usd "
+                              "FROM requests")]
+    uptime = [(_utc_text(t), b, s, busy, rate) for t, b, s, busy, rate in run(
+        url, "SELECT created_at, backend, seconds, busy_seconds, device_hour_usd FROM engine_uptime")]
+    assert len(reqs) == 8000 and len(uptime) == 2 * 2 * 1440
+
+    # daily_spend: API and in-house per team and day
+    spend: dict = defaultdict(lambda: [0.0, 0.0, 0])
+    for r in reqs:
+        e = spend[(r["t"][:10], r["team"])]
+        e[0] += r["cost"] if r["basis"] == "api_price" else 0.0
+        e[1] += r["cost"] if r["basis"] == "gpu_amortized" else 0.0
+        e[2] += 1
+    rows = results["The `daily_spend` view"]
+    assert [(d, t) for d, t, *_ in rows] == sorted(spend)
+    for d, t, api, inh, n in rows:
+        assert (api, inh, n) == (approx(spend[(d, t)][0]), approx(spend[(d, t)][1]), spend[(d, t)][2])
+    assert len(rows) == 2 * len(ledger_seed.TEAMS)
+
+    # hours per engine: up, busy and price from engine_uptime; requests from the engines' rows
+    hours: dict = defaultdict(lambda: [0.0, 0.0, 0.0, 0])  # up, busy, idle usd, requests
+    for t, b, s, busy, rate in uptime:
+        e = hours[(b, t[:13])]
+        e[0] += s
+        e[1] += busy
+        e[2] += (s - busy) * rate / 3600
+    for r in reqs:
+        if r["basis"] == "gpu_amortized":
+            hours[(r["backend"], r["t"][:13])][3] += 1
+    quiet: dict = defaultdict(lambda: [0, 0.0, 0.0])
+    for (b, _), (s, busy, idle, _) in hours.items():
+        if busy / s < 0.05:
+            quiet[b][0] += 1
+            quiet[b][1] += s / 3600
+            quiet[b][2] += idle
+    rows = results["The `engine_utilisation_hourly` view"]
+    assert {b: (n, approx(h), approx(i)) for b, (n, h, i) in quiet.items()} == {b: (n, h, i) for b, n, h, i in rows}
+    assert all(0 < n < 48 for _, n, _, _ in rows)  # some hours quiet, some not
+
+    by_hour: dict = defaultdict(lambda: [0.0, 0.0, 0])
+    for (b, hour), (s, busy, _, n) in hours.items():
+        e = by_hour[(b, hour[11:13])]
+        e[0] += s
+        e[1] += busy
+        e[2] += n
+    rows = results["Utilisation by hour of day"]
+    assert [(b, h) for b, h, *_ in rows] == sorted(by_hour) and len(rows) == 48
+    for b, h, util, n in rows:
+        assert util == approx(by_hour[(b, h)][1] / by_hour[(b, h)][0]) and n == by_hour[(b, h)][2]
+    gpu = {h: u for b, h, u, _ in rows if b == "local-gpu"}
+    assert gpu["15"] > 2 * gpu["03"]  # the seeded diurnal shape: afternoons busier than nights
+
+    # route_cost_per_1k_requests
+    routes: dict = defaultdict(lambda: [0, 0.0])
+    for r in reqs:
+        if r["route"] is not None:
+            routes[r["route"]][0] += 1
+            routes[r["route"]][1] += r["cost"]
+    rows = results["The `route_cost_per_1k_requests` view"]
+    assert {rt: (n, s, p) for rt, n, s, p in rows} == {
+        rt: (n, approx(s), approx(1000 * s / n)) for rt, (n, s) in routes.items()}
+    assert [p for *_, p in rows] == sorted((p for *_, p in rows), reverse=True)
+
+    # realised_savings_daily
+    inh = [r for r in reqs if r["basis"] == "gpu_amortized" and r["cf"] is not None]
+    rows = results["The `realised_savings_daily` view"]
+    assert [b for b, *_ in rows] == ["local-cpu", "local-gpu"]
+    for b, n, charged, api, savings, share in rows:
+        mine = [r for r in inh if r["backend"] == b]
+        assert n == len(mine) and charged == approx(sum(r["cost"] for r in mine))
+        assert api == approx(sum(r["cf"] for r in mine))
+        assert savings == approx(api - charged) and share == approx((api - charged) / api)
+
+    # prefix cache: hit share over all prompt tokens, dollars saved by the API's cached rate
+    rows = results["The `prefix_cache_savings_daily` view"]
+    assert [b for b, *_ in rows] == sorted({r["backend"] for r in reqs if r["backend"]})
+    for b, prompt, cached, share, saved in rows:
+        mine = [r for r in reqs if r["backend"] == b]
+        assert prompt == sum(r["p"] for r in mine) and cached == sum(r["c"] for r in mine)
+        assert share == approx(cached / prompt)
+        assert saved == approx(sum(r["sav"] or 0.0 for r in mine if r["c"] > 0))
+    saved = {b: s for b, *_, s in rows}
+    assert saved["claude-sonnet"] > 0 and saved["local-gpu"] == 0
+
+    # engine_idle_daily: days where idle cost more than the work
+    days: dict = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])  # up, busy, idle usd, busy usd
+    for t, b, s, busy, rate in uptime:
+        e = days[(t[:10], b)]
+        e[0] += s
+        e[1] += busy
+        e[2] += (s - busy) * rate / 3600
+        e[3] += busy * rate / 3600
+    expected = sorted(k for k, e in days.items() if e[2] > e[3])
+    rows = results["The `engine_idle_daily` view"]
+    assert [(d, b) for d, b, *_ in rows] == expected and expected
+    for d, b, idle, busy_usd, util in rows:
+        e = days[(d, b)]
+        assert (idle, busy_usd, util) == (approx(e[2]), approx(e[3]), approx(e[1] / e[0]))
+
+    # break-even utilisation per engine
+    rows = results["Break-even check: cost per Mtok at measured utilisation versus the API"]
+    assert [b for b, *_ in rows] == ["local-cpu", "local-gpu"]
+    for b, util, hosted, api, be in rows:
+        up = [u for u in uptime if u[1] == b]
+        paid = sum(s * rate / 3600 for _, _, s, _, rate in up)
+        u = sum(busy for *_, busy, _ in up) / sum(s for _, _, s, _, _ in up)
+        mine = [r for r in reqs if r["basis"] == "gpu_amortized" and r["backend"] == b]
+        tokens = sum(r["p"] + r["o"] for r in mine)
+        priced = [r for r in mine if r["cf"] is not None]
+        api_per_mtok = 1e6 * sum(r["cf"] for r in priced) / sum(r["p"] + r["o"] for r in priced)
+        assert util == approx(u) and hosted == approx(1e6 * paid / tokens) and api == approx(api_per_mtok)
+        assert be == approx(u * (1e6 * paid / tokens) / api_per_mtok)
