@@ -186,10 +186,9 @@ class EngineLoadMonitor:
             response.raise_for_status()
             values = engine.update(response.text, time.monotonic(), self.ttft_window_s)
             if self.uptime is not None:
-                self.uptime.observe(name, values.get(_P + "busy_seconds_total"))
+                self.uptime.observe(name, values.get(_P + "busy_seconds_total"),
+                                    started_at=values.get(_P + "busy_seconds_created"))
         except (httpx.HTTPError, ValueError) as exc:
-            if self.uptime is not None:
-                self.uptime.lost(name)
             if engine.load.known:
                 log.info("engine %s load unknown (%s: %s)", name, type(exc).__name__, exc)
             engine.load = UNKNOWN

@@ -2,9 +2,11 @@
 
 An engine is paid for while it runs, busy or idle. The load monitor (gateway/engine_load.py) scrapes every
 engine's /metrics a few times a second; each successful scrape hands this recorder the engine's
-cumulative `switchyard_engine_busy_seconds_total`. Between two successful scrapes the engine was up for
-the wall time between them (capped at `max_gap_s`, so an engine that stopped answering is not counted
-as up) and busy for the counter's increase. The sums are cut into `interval_s` buckets of wall-clock
+cumulative `switchyard_engine_busy_seconds_total`. Between two successful scrapes of the same process
+(its counter did not go back) the engine was up for the wall time between them, failed scrapes in
+between included, and busy for the counter's increase. A process seen for the first time (or again
+after a restart) counts from its start, read from the counter's `_created` sample. An engine that never
+answers again adds nothing after its last answer. The sums are cut into `interval_s` buckets of wall-clock
 time and written as `engine_uptime` rows: the reports' paid device-hours, busy fraction and cost of idle
 come from these rows, not from per-request estimates.
 """
@@ -45,10 +47,11 @@ class _State:
 
 class UptimeRecorder:
     def __init__(self, submit: Callable[[UptimeRecord], None], *, interval_s: float = 60.0,
-                 max_gap_s: float = 5.0, instance: str | None = None) -> None:
+                 max_gap_s: float = 5.0, max_backfill_s: float = 300.0, instance: str | None = None) -> None:
         self._submit = submit
         self.interval_s = interval_s
-        self.max_gap_s = max_gap_s
+        self.max_gap_s = max_gap_s  # across a restart without a start time: what counts as up
+        self.max_backfill_s = max_backfill_s  # a newly seen process: at most this much of its past
         self.instance = instance or uuid.uuid4().hex[:12]  # several gateways may scrape one engine
         self._prices: dict[str, DevicePrice] = {}
         self._states: dict[str, _State] = {}
@@ -60,27 +63,32 @@ class UptimeRecorder:
                 self._emit(name, self._states.pop(name))
         self._prices = dict(prices)
 
-    def observe(self, backend: str, busy_total: float | None, *, mono: float | None = None,
-                wall: float | None = None) -> None:
-        """A successful scrape of `backend` whose busy counter reads `busy_total` (None: engine too old)."""
+    def observe(self, backend: str, busy_total: float | None, *, started_at: float | None = None,
+                mono: float | None = None, wall: float | None = None) -> None:
+        """A successful scrape of `backend` whose busy counter reads `busy_total` (None: engine too old).
+
+        `started_at`: the counter's creation time (unix seconds, Prometheus' `_created` sample), i.e. when
+        the engine process started; it lets the first scrape of a process count the time before it."""
         if backend not in self._prices or busy_total is None or not math.isfinite(busy_total):
             return
         mono = time.monotonic() if mono is None else mono
         wall = time.time() if wall is None else wall
         state = self._states.setdefault(backend, _State())
-        if state.last_mono is not None:
-            up = min(max(mono - state.last_mono, 0.0), self.max_gap_s)
-            busy = busy_total - state.last_busy
-            if busy < 0:  # the engine restarted: its counter began again
-                busy = busy_total
+        restarted = state.last_mono is not None and busy_total < state.last_busy
+        if state.last_mono is None or restarted:
+            # A process seen for the first time: up since it started (bounded, so an engine that ran
+            # long before this gateway does not land in one interval), busy for all its counter says.
+            since = wall - started_at if started_at is not None and math.isfinite(started_at) else 0.0
+            if restarted:
+                since = min(since, mono - state.last_mono) if started_at is not None else self.max_gap_s
+            up, busy = min(max(since, 0.0), self.max_backfill_s), busy_total
+        else:
+            # The counter carried on: the same process ran through the gap, even if some scrapes timed
+            # out (a busy engine answers slowly), and a running engine is paid for.
+            up, busy = max(mono - state.last_mono, 0.0), busy_total - state.last_busy
+        if up > 0:
             self._add(backend, state, wall, up, min(max(busy, 0.0), up))
         state.last_mono, state.last_busy = mono, busy_total
-
-    def lost(self, backend: str) -> None:
-        """A failed scrape: the time until the next successful one is not counted as up."""
-        state = self._states.get(backend)
-        if state is not None:
-            state.last_mono = None
 
     def flush(self) -> None:
         """Write every open interval (at shutdown)."""

@@ -29,21 +29,35 @@ def test_up_and_busy_time_are_cut_into_intervals() -> None:
         ("eng", 2.5, 1, "gpu")}
 
 
-def test_a_silent_engine_is_not_counted_as_up_and_a_restart_resets_the_counter() -> None:
+def test_failed_scrapes_count_as_up_a_restart_does_not_and_busy_never_exceeds_up() -> None:
     rows: list[UptimeRecord] = []
     r = recorder(rows)
     r.observe("eng", 10.0, mono=0.0, wall=0.0)
     r.observe("eng", 11.0, mono=2.0, wall=2.0)  # 2 s up, 1 s busy
-    r.lost("eng")  # scrapes failed...
-    r.observe("eng", 12.0, mono=30.0, wall=30.0)  # ...first answer again: nothing counted
-    r.observe("eng", 12.5, mono=32.0, wall=32.0)  # 2 s up, 0.5 busy
-    r.observe("eng", 0.5, mono=33.0, wall=33.0)  # restarted: its counter began again: 1 s up, 0.5 busy
-    r.observe("eng", 0.5, mono=53.0, wall=53.0)  # a 20 s gap without a failed scrape: capped at max_gap_s
-    r.observe("eng", 99.0, mono=54.0, wall=54.0)  # busy can never exceed up
+    # scrapes time out for 20 s (a busy engine answers slowly); the counter carried on: the same process
+    r.observe("eng", 25.0, mono=22.0, wall=22.0)  # 20 s up, 14 s busy
+    r.observe("eng", 0.5, mono=42.0, wall=42.0)  # restarted, no start time: at most max_gap_s is up; 0.5 busy
+    r.observe("eng", 0.7, mono=43.0, wall=43.0)  # 1 s up, 0.2 busy
+    r.observe("eng", 99.0, mono=44.0, wall=44.0)  # busy can never exceed up: 1 s, 1 s
+    r.observe("eng", 0.25, started_at=47.0, mono=50.0, wall=50.0)  # restarted at 47: 3 s up, 0.25 busy
     r.flush()
     assert len(rows) == 1
-    assert rows[0].seconds == pytest.approx(2 + 2 + 1 + 5 + 1)
-    assert rows[0].busy_seconds == pytest.approx(1 + 0.5 + 0.5 + 0 + 1)
+    assert rows[0].seconds == pytest.approx(2 + 20 + 5 + 1 + 1 + 3)
+    assert rows[0].busy_seconds == pytest.approx(1 + 14 + 0.5 + 0.2 + 1 + 0.25)
+
+
+def test_a_new_process_counts_from_its_start_bounded() -> None:
+    rows: list[UptimeRecord] = []
+    r = recorder(rows)
+    r.observe("eng", 4.0, started_at=10.0, mono=5.0, wall=30.0)  # started 20 s ago, 4 s busy since
+    r.observe("other", 1.0, mono=0.0, wall=0.0)
+    r2_rows: list[UptimeRecord] = []
+    r2 = recorder(r2_rows)
+    r2.observe("eng", 50.0, started_at=0.0, mono=5.0, wall=3000.0)  # ran long before us: 300 s at most
+    r.flush()
+    r2.flush()
+    assert [(row.seconds, row.busy_seconds) for row in rows] == [(20.0, 4.0)]
+    assert [(row.seconds, row.busy_seconds) for row in r2_rows] == [(300.0, 50.0)]
 
 
 def test_only_priced_engines_are_recorded_and_removed_ones_are_written_out() -> None:
