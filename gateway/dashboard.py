@@ -163,7 +163,7 @@ def _summary(ledger: Ledger, w: Window, policy: Any, request: Request) -> dict[s
         "completion_tokens": s.completion_tokens, "tokens": s.prompt_tokens + s.completion_tokens,
         "spend_usd": s.spend_usd, "api_spend_usd": s.api_spend_usd, "in_house_charged_usd": s.in_house_charged_usd,
         "counterfactual_usd": s.counterfactual_usd,
-        "realised_savings_usd": s.counterfactual_usd - s.in_house_charged_usd,
+        "realised_savings_usd": s.realised_savings_usd,
         "paid_usd": sum(e.paid_usd for e in engines), "idle_usd": idle if any(e.has_uptime for e in engines) else None,
         "up_hours": inputs.up_hours, "busy_hours": inputs.busy_hours,
         "utilisation": inputs.utilisation,
@@ -225,9 +225,11 @@ def _decisions(ledger: Ledger, w: Window, policy: Any, request: Request) -> dict
 
 
 def _savings(ledger: Ledger, w: Window, policy: Any, request: Request) -> dict[str, Any]:
-    """In-house rows' API alternative minus what they were charged, per day and engine."""
+    """In-house rows' API alternative minus what those rows were charged, per day and engine (rows on
+    routes without an API alternative are left out rather than counted as a loss)."""
     rows = [{"day": r["day"], "backend": r["backend"], "counterfactual_usd": r["counterfactual_usd"],
-             "charged_usd": r["spend_usd"], "savings_usd": r["counterfactual_usd"] - r["spend_usd"]}
+             "charged_usd": r["counterfactual_charged_usd"],
+             "savings_usd": r["counterfactual_usd"] - r["counterfactual_charged_usd"]}
             for r in ledger.spend_daily(w) if r["cost_basis"] == "gpu_amortized"]
     return {"rows": rows, "total_usd": sum(r["savings_usd"] for r in rows)}
 

@@ -197,6 +197,12 @@ class Summary:
     counterfactual_usd: float  # for in-house rows with an API alternative
     zero_cost_unexplained: int  # served rows at $0 with no cost_note: must be 0
     notes: dict[str, int] = field(default_factory=dict)  # cost_note → rows
+    counterfactual_charged_usd: float = 0.0  # what the in-house rows with an API alternative were charged
+
+    @property
+    def realised_savings_usd(self) -> float:
+        """The API alternative minus what the same in-house requests cost (rows without one left out)."""
+        return self.counterfactual_usd - self.counterfactual_charged_usd
 
 
 # --------------------------------------------------------------------------------------------- SQL
@@ -281,7 +287,9 @@ class Ledger:
                    COALESCE(SUM(CASE WHEN cost_basis = 'gpu_amortized' THEN counterfactual_cost_usd ELSE 0.0 END),
                             0.0),
                    COALESCE(SUM(CASE WHEN status = 'ok' AND cost_usd = 0 AND cost_note IS NULL
-                                     AND backend IS NOT NULL THEN 1 ELSE 0 END), 0)
+                                     AND backend IS NOT NULL THEN 1 ELSE 0 END), 0),
+                   COALESCE(SUM(CASE WHEN cost_basis = 'gpu_amortized' AND counterfactual_cost_usd IS NOT NULL
+                                     THEN cost_usd ELSE 0.0 END), 0.0)
             FROM requests {where}""", params)[0]
         first, last = _as_utc(row[0]), _as_utc(row[1])
         span_days = (last - first).total_seconds() / 86400.0 if first and last else 0.0
@@ -290,7 +298,7 @@ class Ledger:
             f"SELECT cost_note, COUNT(*) FROM requests {where_n} GROUP BY cost_note ORDER BY cost_note", params_n)}
         return Summary(first, last, max(span_days, 1.0 / 24.0) if first else 0.0, int(row[2]), int(row[3]),
                        int(row[4]), int(row[5]), float(row[6]), float(row[7]), float(row[8]), float(row[9]),
-                       int(row[10]), notes)
+                       int(row[10]), notes, float(row[11]))
 
     def traffic_daily(self, w: Window) -> list[TrafficRow]:
         where, params = self._where(w)
@@ -384,14 +392,17 @@ class Ledger:
             FROM engine_uptime {where} GROUP BY {day}, backend ORDER BY day, backend""", params)]
 
     def spend_daily(self, w: Window) -> list[dict[str, Any]]:
-        """Spend per UTC day and backend (rows with a backend), with the in-house rows' API alternative."""
+        """Spend per UTC day and backend (rows with a backend), with the API alternative of the rows that
+        have one and what those same rows were charged (`counterfactual_charged_usd`): realised savings
+        are the difference of the two, never an alternative of $0 for a route without one."""
         where, params = self._where(w, extra="backend IS NOT NULL")
         day = day_sql(self.dialect)
         return [dict(day=r[0], backend=r[1], cost_basis=r[2], requests=int(r[3]), tokens=int(r[4]),
-                     spend_usd=float(r[5]), counterfactual_usd=float(r[6]))
+                     spend_usd=float(r[5]), counterfactual_usd=float(r[6]), counterfactual_charged_usd=float(r[7]))
                 for r in self._rows(f"""
             SELECT {day} AS day, backend, MAX(cost_basis), COUNT(*), SUM(prompt_tokens + completion_tokens),
-                   SUM(cost_usd), COALESCE(SUM(counterfactual_cost_usd), 0.0)
+                   SUM(cost_usd), COALESCE(SUM(counterfactual_cost_usd), 0.0),
+                   COALESCE(SUM(CASE WHEN counterfactual_cost_usd IS NOT NULL THEN cost_usd ELSE 0.0 END), 0.0)
             FROM requests {where} GROUP BY {day}, backend ORDER BY day, backend""", params)]
 
     def top(self, w: Window, column: str, limit: int = 10) -> list[dict[str, Any]]:

@@ -327,7 +327,8 @@ def test_the_page_draws_the_ledger_numbers(seeded):
     assert _series(page.charts["decisions"]) == {(b, r): n for b, r, n in reasons}
 
     savings = sql(url, "SELECT SUBSTR(created_at, 1, 10), backend, SUM(counterfactual_cost_usd) - SUM(cost_usd) "
-                       "FROM requests WHERE cost_basis = 'gpu_amortized' GROUP BY 1, 2")
+                       "FROM requests WHERE cost_basis = 'gpu_amortized' AND counterfactual_cost_usd IS NOT NULL "
+                       "GROUP BY 1, 2")
     bars = [t for t in page.charts["savings"] if t["type"] == "bar"]
     _close(_series(bars), {(b, d): v for d, b, v in savings})
 

@@ -783,3 +783,26 @@ def test_engine_row_properties_without_data() -> None:
                   completion_tokens=0, attributed_seconds=0.0, charged_usd=0.0, counterfactual_usd=0.0)
     assert e.utilisation is None and e.tokens_per_s is None and e.tokens_per_device_s is None
     assert e.usd_per_mtok_measured is None and e.usd_per_mtok_at(0.5) is None and e.idle_usd == 0
+
+
+def test_realised_savings_leave_out_rows_without_an_api_alternative(migrated_db_url: str) -> None:
+    # Two in-house rows: one on a route with an API alternative ($0.003 there, charged $0.001), one on a
+    # route without one (charged $0.002). Savings are $0.002, not $0.003 - $0.003 = $0.
+    insert(migrated_db_url, [
+        engine_row(1, T0, prompt_tokens=10, cost_usd=0.001, counterfactual_cost_usd=0.003),
+        engine_row(2, T0 + timedelta(minutes=1), route="engine-only", prompt_tokens=10, cost_usd=0.002),
+    ])
+    with Ledger.open(migrated_db_url) as lg:
+        s = lg.summary(Window())
+        assert s.in_house_charged_usd == approx(0.003) and s.counterfactual_usd == approx(0.003)
+        assert s.counterfactual_charged_usd == approx(0.001) and s.realised_savings_usd == approx(0.002)
+        (day,) = lg.spend_daily(Window())
+        assert day["spend_usd"] == approx(0.003) and day["counterfactual_charged_usd"] == approx(0.001)
+        assert day["counterfactual_usd"] - day["counterfactual_charged_usd"] == approx(0.002)
+    engine = sa.create_engine(db.sync_url(migrated_db_url))
+    try:
+        with engine.connect() as conn:
+            (view,) = conn.execute(sa.text("SELECT savings_usd FROM realised_savings_daily")).all()
+    finally:
+        engine.dispose()
+    assert view[0] == approx(0.002)  # the view agrees
