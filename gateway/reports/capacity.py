@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from gateway.reports import roofline
-from gateway.settings import DEFAULT_POLICY, PROJECT_ROOT
+from gateway.reports.decision import EnginePrice, PriceError, engine_price
+from gateway.settings import PROJECT_ROOT
 
 HOURS_PER_MONTH = 730
 RESULTS = PROJECT_ROOT / "bench" / "results"
@@ -335,41 +336,15 @@ def ledger_load(url: str, since: str | datetime | None = None, until: str | date
 # ---------------------------------------------------------------------------------------------- the price
 
 
-@dataclass(frozen=True, slots=True)
-class DevicePrice:
-    backend: str
-    usd_per_hour: float
-    basis: str  # how it was computed, for the assumptions
-    policy: str
+DevicePrice = EnginePrice  # the engine's hourly price, as decision.engine_price works it out
 
 
 def device_price(policy_path: str | Path | None = None, backend: str | None = None) -> DevicePrice:
-    """The hourly price of one engine device: cpu_hour_usd when set, else gpu_hour_usd × gpus.
-
-    The backend named, else the policy's first engine backend.
-    """
-    from gateway.policy import PolicyError, load_policy
-
-    path = Path(policy_path) if policy_path else DEFAULT_POLICY
+    """The named engine backend's hourly price, else the policy's first engine's (CapacityError if none)."""
     try:
-        policy = load_policy(path)
-    except PolicyError as e:
-        raise CapacityError(f"cannot load the policy: {e}") from None
-    if backend:
-        spec = policy.backends.get(backend)
-        if spec is None:
-            raise CapacityError(f"no backend {backend!r} in {path} (have: {', '.join(policy.backends)})")
-        if spec.kind != "engine":
-            raise CapacityError(f"backend {backend!r} in {path} is kind {spec.kind}, not an engine")
-    else:
-        spec = next((b for b in policy.backends.values() if b.kind == "engine"), None)
-        if spec is None:
-            raise CapacityError(f"{path} has no engine backend to price a device with (pass --backend)")
-    cpu = getattr(spec, "cpu_hour_usd", None)
-    if cpu is not None:
-        return DevicePrice(spec.name, float(cpu), f"cpu_hour_usd of backend {spec.name!r}", str(path))
-    return DevicePrice(spec.name, spec.gpu_hour_usd * spec.gpus,
-                       f"gpu_hour_usd {spec.gpu_hour_usd:g} × gpus {spec.gpus} of backend {spec.name!r}", str(path))
+        return engine_price(policy_path, backend)
+    except PriceError as e:
+        raise CapacityError(str(e)) from None
 
 
 # ---------------------------------------------------------------------------------------------- the report

@@ -162,6 +162,48 @@ def _engine_hour_usd(spec) -> float:
     return device_hour_usd(spec)
 
 
+class PriceError(ValueError):
+    """The policy cannot price an engine (unreadable, no such backend, no engine backend)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EnginePrice:
+    """One engine backend's hourly price (all its devices) and how it was worked out, for assumptions."""
+
+    backend: str
+    usd_per_hour: float
+    basis: str
+    policy: str
+
+
+def engine_price(policy_path=None, backend: str | None = None) -> EnginePrice:
+    """The named engine backend's price (`cpu_hour_usd`, else `gpu_hour_usd × gpus`), or the first engine's."""
+    from pathlib import Path
+
+    from gateway.policy import PolicyError, load_policy
+    from gateway.settings import DEFAULT_POLICY
+
+    path = Path(policy_path) if policy_path else DEFAULT_POLICY
+    try:
+        policy = load_policy(path)
+    except PolicyError as e:
+        raise PriceError(f"cannot load the policy: {e}") from None
+    if backend:
+        spec = policy.backends.get(backend)
+        if spec is None:
+            raise PriceError(f"no backend {backend!r} in {path} (have: {', '.join(policy.backends)})")
+        if spec.kind != "engine":
+            raise PriceError(f"backend {backend!r} in {path} is kind {spec.kind}, not an engine")
+    else:
+        spec = next((b for b in policy.backends.values() if b.kind == "engine"), None)
+        if spec is None:
+            raise PriceError(f"{path} has no engine backend to price a device with (pass --backend)")
+    if spec.cpu_hour_usd is not None:
+        return EnginePrice(spec.name, float(spec.cpu_hour_usd), f"cpu_hour_usd of backend {spec.name!r}", str(path))
+    return EnginePrice(spec.name, _engine_hour_usd(spec),
+                       f"gpu_hour_usd {spec.gpu_hour_usd:g} × gpus {spec.gpus} of backend {spec.name!r}", str(path))
+
+
 def api_prices(policy) -> dict[str, ApiPrice]:
     """Per-Mtok prices of every priced litellm backend in the policy."""
     from gateway.pricing import prices_for

@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, Self
 
 import sqlalchemy as sa
 
@@ -243,7 +243,7 @@ class Ledger:
     def close(self) -> None:
         self.engine.dispose()
 
-    def __enter__(self) -> Ledger:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -384,8 +384,8 @@ class Ledger:
         """Per engine per UTC day: paid, busy and idle hours and dollars (not per team)."""
         where, params = self._where(w, team=False)
         day = day_sql(self.dialect)
-        return [dict(day=r[0], backend=r[1], paid_hours=float(r[2]) / 3600, busy_hours=float(r[3]) / 3600,
-                     paid_usd=float(r[4]), busy_usd=float(r[5]), idle_usd=float(r[4]) - float(r[5]))
+        return [{"day": r[0], "backend": r[1], "paid_hours": float(r[2]) / 3600, "busy_hours": float(r[3]) / 3600,
+                     "paid_usd": float(r[4]), "busy_usd": float(r[5]), "idle_usd": float(r[4]) - float(r[5])}
                 for r in self._rows(f"""
             SELECT {day} AS day, backend, SUM(seconds), SUM(busy_seconds), SUM(seconds * device_hour_usd) / 3600.0,
                    SUM(busy_seconds * device_hour_usd) / 3600.0
@@ -397,8 +397,8 @@ class Ledger:
         are the difference of the two, never an alternative of $0 for a route without one."""
         where, params = self._where(w, extra="backend IS NOT NULL")
         day = day_sql(self.dialect)
-        return [dict(day=r[0], backend=r[1], cost_basis=r[2], requests=int(r[3]), tokens=int(r[4]),
-                     spend_usd=float(r[5]), counterfactual_usd=float(r[6]), counterfactual_charged_usd=float(r[7]))
+        return [{"day": r[0], "backend": r[1], "cost_basis": r[2], "requests": int(r[3]), "tokens": int(r[4]),
+                     "spend_usd": float(r[5]), "counterfactual_usd": float(r[6]), "counterfactual_charged_usd": float(r[7])}
                 for r in self._rows(f"""
             SELECT {day} AS day, backend, MAX(cost_basis), COUNT(*), SUM(prompt_tokens + completion_tokens),
                    SUM(cost_usd), COALESCE(SUM(counterfactual_cost_usd), 0.0),
@@ -411,7 +411,7 @@ class Ledger:
             raise ValueError(column)
         where, params = self._where(w, extra=f"{column} IS NOT NULL")
         params["limit"] = limit
-        return [dict(name=r[0], requests=int(r[1]), tokens=int(r[2]), spend_usd=float(r[3]))
+        return [{"name": r[0], "requests": int(r[1]), "tokens": int(r[2]), "spend_usd": float(r[3])}
                 for r in self._rows(f"""
             SELECT {column}, COUNT(*), SUM(prompt_tokens + completion_tokens), SUM(cost_usd)
             FROM requests {where} GROUP BY {column} ORDER BY SUM(cost_usd) DESC, {column} LIMIT :limit""", params)]
@@ -419,7 +419,7 @@ class Ledger:
     def decisions(self, w: Window) -> list[dict[str, Any]]:
         """Router decisions: requests per route, reason and backend."""
         where, params = self._where(w, extra="route IS NOT NULL")
-        return [dict(route=r[0], reason=r[1] or "none", backend=r[2] or "none", requests=int(r[3]))
+        return [{"route": r[0], "reason": r[1] or "none", "backend": r[2] or "none", "requests": int(r[3])}
                 for r in self._rows(f"""
             SELECT route, route_reason, backend, COUNT(*) FROM requests {where}
             GROUP BY route, route_reason, backend ORDER BY route, route_reason, backend""", params)]

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from gateway.pricing import UTILISATION_FLOOR
-from gateway.settings import DEFAULT_POLICY, PROJECT_ROOT
+from gateway.reports.decision import PriceError, engine_price
+from gateway.settings import PROJECT_ROOT
 
 DEFAULT_BENCH = PROJECT_ROOT / "bench" / "results" / "cheaper_model.json"
 
@@ -142,29 +143,12 @@ def ladder_rows(stack_rows: list[dict[str, Any]], device_hour_usd: float,
 
 
 def _device_price(policy_path: str | Path | None, backend: str | None) -> tuple[float, str]:
-    """(USD per hour for the whole engine, where it came from): cpu_hour_usd, else gpu_hour_usd × gpus."""
-    from gateway.policy import PolicyError, load_policy
-
-    path = Path(policy_path) if policy_path else DEFAULT_POLICY
+    """(USD per hour for the whole engine, where it came from)."""
     try:
-        policy = load_policy(path)
-    except PolicyError as e:
-        raise LadderError(f"cannot load the policy: {e}") from None
-    if backend:
-        spec = policy.backends.get(backend)
-        if spec is None:
-            raise LadderError(f"no backend {backend!r} in {path} (have: {', '.join(policy.backends)})")
-        if spec.kind != "engine":
-            raise LadderError(f"backend {backend!r} in {path} is kind {spec.kind}, not an engine")
-    else:
-        spec = next((b for b in policy.backends.values() if b.kind == "engine"), None)
-        if spec is None:
-            raise LadderError(f"{path} has no engine backend to price a device with (pass --backend)")
-    cpu = getattr(spec, "cpu_hour_usd", None)
-    if cpu is not None:
-        return float(cpu), f"cpu_hour_usd of backend {spec.name!r} in {path}"
-    return (spec.gpu_hour_usd * spec.gpus,
-            f"gpu_hour_usd {spec.gpu_hour_usd:g} × gpus {spec.gpus} of backend {spec.name!r} in {path}")
+        price = engine_price(policy_path, backend)
+    except PriceError as e:
+        raise LadderError(str(e)) from None
+    return price.usd_per_hour, f"{price.basis} in {price.policy}"
 
 
 def _x(v: float) -> str:

@@ -186,8 +186,8 @@ def summary_lines(book: Book) -> list[str]:
         f"measured utilisation: {measured}{priced}",
         (f"monthly: all-API {_usd(r.all_api_usd)} vs all-hosted {_usd(r.all_hosted_usd)} vs current mix "
          f"{_usd(r.current_mix_usd)}"),
-        f"break-even utilisation: {'n/a' if be is None else f'{be:.1%}'} ({verdict} at {u:.1%}); "
-        f"{dec.standing(r, u)}",
+        (f"break-even utilisation: {'n/a' if be is None else f'{be:.1%}'} ({verdict} at {u:.1%}); "
+        f"{dec.standing(r, u)}"),
         f"cost of idle: {_usd(r.idle_usd)}/month (paid device-hours not spent on requests)",
     ]
 

@@ -17,7 +17,7 @@ def test_up_and_busy_time_are_cut_into_intervals() -> None:
     rows: list[UptimeRecord] = []
     r = recorder(rows)
     # scrapes every second from wall 0 to 130: busy counter grows 0.25 s per second
-    for t in range(0, 131):
+    for t in range(131):
         r.observe("eng", 0.25 * t, mono=1000.0 + t, wall=float(t))
     r.flush()
     assert [row.seconds for row in rows] == [pytest.approx(59.0), pytest.approx(60.0), pytest.approx(11.0)]
