@@ -155,7 +155,8 @@ def _decision(ledger: Ledger, w: Window, policy: Any):
 def _summary(ledger: Ledger, w: Window, policy: Any, request: Request) -> dict[str, Any]:
     s = ledger.summary(w)
     engines = ledger.engines(w)
-    inputs, result = _decision(ledger, w, policy)
+    inputs = DecisionInputs.from_figures(s, engines, ledger.api_backends(w), policy)  # not from_ledger: no re-query
+    result = decide(inputs)
     idle = sum(e.idle_usd for e in engines if e.has_uptime)
     return {
         "first": _iso(s.first), "last": _iso(s.last), "days": s.days, "requests": s.requests,
