@@ -18,6 +18,9 @@ SERVER_ENTRY = {"gateway/serve.py"}  # the one module that may import gateway.ap
 # A module may import its own layer and those below it, never one above (type-only imports included).
 GATEWAY_LAYERS = {"gateway.proxy": 3, "gateway.routing": 2, "gateway.shadow": 2,
                   "gateway.backends": 1, "gateway.ledger": 1}
+# The reports read the ledger (CLI and dashboard alike): none of the serving machinery, nor the page.
+SERVING = ("gateway.app", "gateway.proxy", "gateway.routing", "gateway.shadow", "gateway.backends",
+           "gateway.backend_pool", "gateway.embedded", "gateway.dashboard")
 
 
 def _layer(module: str) -> int | None:
@@ -81,6 +84,9 @@ def _violations() -> list[str]:
                 why = "the gateway never imports torch (a gateway replica installs without the engine)"
             elif (module == "gateway.app" or module.startswith("gateway.app.")) and rel not in SERVER_ENTRY:
                 why = "only the server entry point (gateway/serve.py) imports gateway.app"
+            elif rel.startswith("gateway/reports/") and any(module == m or module.startswith(m + ".")
+                                                             for m in SERVING):
+                why = "gateway/reports/ reads the ledger and never imports the serving path or the dashboard"
             elif own_layer is not None and (_layer(module) or 0) > own_layer:
                 why = "the gateway's request path runs app -> proxy -> routing / shadow -> backends / ledger"
             if why:
