@@ -3,8 +3,10 @@
 The spreadsheet, the CSV files, the dashboard's JSON and `report capacity --from-ledger` all read these
 functions, so a figure means the same thing everywhere. Definitions (docs/sql-cookbook.md repeats them):
 
-- **paid** device time is an engine's measured up time (`engine_uptime.seconds`): an engine is paid for
-  while it runs. **busy** time is the engine's own forward-pass counter over the same intervals.
+- **paid** device time is an engine's measured up time (`engine_uptime.seconds`, read through the
+  `engine_minutes` view, which keeps one recording per engine and minute when several gateways scrape
+  the same engine): an engine is paid for while it runs. **busy** time is the engine's own forward-pass
+  counter over the same intervals.
   **utilisation** = busy / paid. **cost of idle** = (paid − busy) × the engine's hourly price.
 - **charged** is what the ledger rows say the requests cost (`cost_usd`, each row amortised at the busy
   fraction of its moment). It is an estimate per request; the reports' truth is paid time.
@@ -331,7 +333,7 @@ class Ledger:
             SELECT backend, SUM(seconds), SUM(busy_seconds), SUM(seconds * device_hour_usd) / 3600.0,
                    SUM(busy_seconds * device_hour_usd) / 3600.0, MAX(devices), MAX(device_kind),
                    MAX(device_hour_usd)
-            FROM engine_uptime {uw} GROUP BY backend""", up)}
+            FROM engine_minutes {uw} GROUP BY backend""", up)}
         rw, rp = self._where(w, extra="cost_basis = 'gpu_amortized' AND backend IS NOT NULL")
         served = {r[0]: r for r in self._rows(f"""
             SELECT backend, COUNT(*), SUM(prompt_tokens), SUM(cached_prompt_tokens), SUM(completion_tokens),
@@ -378,7 +380,7 @@ class Ledger:
         hour = hour_sql(self.dialect)
         return [HourRow(r[0], r[1], float(r[2]), float(r[3])) for r in self._rows(f"""
             SELECT {hour} AS hour, backend, SUM(seconds), SUM(busy_seconds)
-            FROM engine_uptime {where} GROUP BY {hour}, backend ORDER BY hour, backend""", params)]
+            FROM engine_minutes {where} GROUP BY {hour}, backend ORDER BY hour, backend""", params)]
 
     def idle_daily(self, w: Window) -> list[dict[str, Any]]:
         """Per engine per UTC day: paid, busy and idle hours and dollars (not per team)."""
@@ -389,7 +391,7 @@ class Ledger:
                 for r in self._rows(f"""
             SELECT {day} AS day, backend, SUM(seconds), SUM(busy_seconds), SUM(seconds * device_hour_usd) / 3600.0,
                    SUM(busy_seconds * device_hour_usd) / 3600.0
-            FROM engine_uptime {where} GROUP BY {day}, backend ORDER BY day, backend""", params)]
+            FROM engine_minutes {where} GROUP BY {day}, backend ORDER BY day, backend""", params)]
 
     def spend_daily(self, w: Window) -> list[dict[str, Any]]:
         """Spend per UTC day and backend (rows with a backend), with the API alternative of the rows that

@@ -7,7 +7,8 @@ Create Date: 2026-12-01
 - `requests` gains device_hour_usd, device_kind, utilisation, cost_note and cache_savings_usd; the
   `cost_ledger` view appends them after its existing columns (its contract: names only ever appended).
 - `engine_uptime`: one engine's up and busy seconds per interval, from its own counters.
-- Views (documented in docs/sql-cookbook.md): daily_spend, engine_utilisation_hourly,
+- Views (documented in docs/sql-cookbook.md): engine_minutes (one row per engine and minute, however many
+  gateways recorded it), daily_spend, engine_utilisation_hourly,
   route_cost_per_1k_requests, realised_savings_daily, prefix_cache_savings_daily, engine_idle_daily.
 
 Days and hours are UTC whatever the session's time zone: PostgreSQL converts with AT TIME ZONE 'UTC';
@@ -46,6 +47,14 @@ def _buckets(dialect: str) -> tuple[str, str]:
 def _views(dialect: str) -> dict[str, str]:
     day, hour = _buckets(dialect)
     return {
+        # Several gateway replicas may scrape one engine: each records the same minute. One row per
+        # engine and minute, the largest of the recordings, is what the other views and reports read.
+        "engine_minutes": """
+SELECT backend, created_at,
+       MAX(seconds) AS seconds, MAX(busy_seconds) AS busy_seconds, MAX(device_hour_usd) AS device_hour_usd,
+       MAX(devices) AS devices, MAX(device_kind) AS device_kind, COUNT(*) AS recorders
+FROM engine_uptime
+GROUP BY backend, created_at""",
         "daily_spend": f"""
 SELECT {day} AS day, team, backend, cost_basis,
        COUNT(*) AS requests,
@@ -72,7 +81,7 @@ FROM (
     SELECT {hour} AS hour, backend, seconds AS up_seconds, busy_seconds,
            seconds * device_hour_usd / 3600.0 AS paid_usd, busy_seconds * device_hour_usd / 3600.0 AS busy_usd,
            0 AS requests, 0 AS prompt_tokens, 0 AS completion_tokens, 0.0 AS attributed_seconds
-    FROM engine_uptime
+    FROM engine_minutes
     UNION ALL
     SELECT {hour} AS hour, backend, 0.0, 0.0, 0.0, 0.0,
            1, prompt_tokens, completion_tokens, COALESCE(gpu_seconds, 0.0)
@@ -114,12 +123,12 @@ SELECT {day} AS day, backend,
        SUM(busy_seconds * device_hour_usd) / 3600.0 AS busy_usd,
        SUM((seconds - busy_seconds) * device_hour_usd) / 3600.0 AS idle_usd,
        CASE WHEN SUM(seconds) > 0 THEN SUM(busy_seconds) / SUM(seconds) END AS utilisation
-FROM engine_uptime
+FROM engine_minutes
 GROUP BY {day}, backend""",
     }
 
 
-VIEW_NAMES = ("daily_spend", "engine_utilisation_hourly", "route_cost_per_1k_requests", "realised_savings_daily",
+VIEW_NAMES = ("engine_minutes", "daily_spend", "engine_utilisation_hourly", "route_cost_per_1k_requests", "realised_savings_daily",
               "prefix_cache_savings_daily", "engine_idle_daily")
 
 

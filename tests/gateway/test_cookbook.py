@@ -27,7 +27,7 @@ COOKBOOK = Path(__file__).resolve().parents[2] / "docs" / "sql-cookbook.md"
 T0 = datetime(2025, 3, 1, tzinfo=UTC)
 TEAMS = ("labs", "search", "support")
 BACKENDS = {"local": "gpu_amortized", "mini": "api_price", "big": "api_price"}
-VIEWS = ("daily_spend", "engine_utilisation_hourly", "route_cost_per_1k_requests", "realised_savings_daily",
+VIEWS = ("engine_minutes", "daily_spend", "engine_utilisation_hourly", "route_cost_per_1k_requests", "realised_savings_daily",
          "prefix_cache_savings_daily", "engine_idle_daily")
 
 
@@ -357,6 +357,15 @@ def test_view_queries_answer_correctly(seeded_views: str) -> None:
     for d, b, idle, busy_usd, util in rows:
         e = days[(d, b)]
         assert (idle, busy_usd, util) == (approx(e[2]), approx(e[3]), approx(e[1] / e[0]))
+
+    # engine_minutes: one recorder per minute in the seeded ledger
+    rows = results["The `engine_minutes` view"]
+    per_backend: dict = defaultdict(lambda: [0, 0.0])
+    for _, b, sec, _, _ in uptime:
+        per_backend[b][0] += 1
+        per_backend[b][1] += sec / 3600
+    assert [(b, m, twice) for b, m, twice, _ in rows] == [(b, e[0], 0) for b, e in sorted(per_backend.items())]
+    assert [h for *_, h in rows] == [approx(e[1]) for _, e in sorted(per_backend.items())]
 
     # break-even utilisation per engine
     rows = results["Break-even check: cost per Mtok at measured utilisation versus the API"]

@@ -806,3 +806,28 @@ def test_realised_savings_leave_out_rows_without_an_api_alternative(migrated_db_
     finally:
         engine.dispose()
     assert view[0] == approx(0.002)  # the view agrees
+
+
+def test_a_minute_recorded_by_two_gateways_is_paid_once(migrated_db_url: str) -> None:
+    # Two gateway replicas scrape the same engine: both write its minutes (different interval_ids).
+    rows = [uptime_row(i, T0 + timedelta(minutes=i), 60.0, 6.0) for i in range(10)]
+    rows += [dict(uptime_row(i, T0 + timedelta(minutes=i), 59.0, 6.5), interval_id=f"eng|{i}|gw2") for i in range(10)]
+    insert(migrated_db_url, [engine_row(1, T0, prompt_tokens=10, gpu_seconds=1.0, cost_usd=0.001)], rows)
+    with Ledger.open(migrated_db_url) as lg:
+        (e,) = lg.engines(Window())
+        assert e.up_seconds == approx(600.0) and e.busy_seconds == approx(65.0)  # the larger of each minute
+        assert e.paid_usd == approx(600 * 2.0 / 3600)
+        (hour,) = lg.busy_by_hour(Window())
+        assert (hour.up_seconds, hour.busy_seconds) == (approx(600.0), approx(65.0))
+        (day,) = lg.idle_daily(Window())
+        assert day["paid_hours"] == approx(600 / 3600)
+    engine = sa.create_engine(db.sync_url(migrated_db_url))
+    try:
+        with engine.connect() as conn:
+            (idle,) = conn.execute(sa.text("SELECT paid_hours, busy_hours FROM engine_idle_daily")).all()
+            (util,) = conn.execute(sa.text("SELECT up_seconds, busy_seconds FROM engine_utilisation_hourly")).all()
+            recorders = conn.execute(sa.text("SELECT DISTINCT recorders FROM engine_minutes")).scalars().all()
+    finally:
+        engine.dispose()
+    assert tuple(idle) == (approx(600 / 3600), approx(65 / 3600)) and tuple(util) == (approx(600.0), approx(65.0))
+    assert recorders == [2]
