@@ -41,6 +41,16 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class CapabilitySpec(_Strict):
+    """What a backend can serve, where the derived answer (gateway/capabilities.py) is wrong or unknown."""
+
+    tools: bool | None = None
+    json_mode: bool | None = None
+    structured_output: bool | None = None
+    images: bool | None = None
+    max_context: int | None = Field(default=None, ge=1)
+
+
 class BackendSpec(_Strict):
     """Where requests can be sent: the in-house engine or any litellm-supported API."""
 
@@ -64,6 +74,7 @@ class BackendSpec(_Strict):
     input_usd_per_mtok: float | None = Field(default=None, ge=0)
     output_usd_per_mtok: float | None = Field(default=None, ge=0)
     cached_input_usd_per_mtok: float | None = Field(default=None, ge=0)
+    capabilities: CapabilitySpec | None = None  # default: derived (gateway/capabilities.py)
     # resilience
     timeout_s: float = Field(default=60.0, gt=0)
     connect_timeout_s: float = Field(default=5.0, gt=0)
@@ -414,7 +425,29 @@ def policy_warnings(policy: Policy) -> list[str]:
             out.append(f"{policy.source}: backends.{name}: environment variable {b.api_key_env} is not set "
                        "(requests to this backend will fail until it is)")
     for name, r in policy.routes.items():
+        out.extend(_fallback_capability_warnings(policy, name, r))
         if r.model_path is not None and not Path(r.model_path).is_file():
             out.append(f"{policy.source}: routes.{name}: model_path {r.model_path} is not a file (relative paths "
                        f"are read from {Path.cwd()}); the route sends every request to '{r.backend}' until it is")
+    return out
+
+
+def _fallback_capability_warnings(policy: Policy, name: str, route: RouteSpec) -> list[str]:
+    """A fallback that lacks what the route's primary backend can do will not take such requests over."""
+    from gateway.capabilities import FEATURES
+    from gateway.capabilities import of as capabilities_of
+
+    primary = route.backend if route.strategy == "fixed" else (route.easy or route.backend)
+    if primary not in policy.backends:
+        return []
+    has = capabilities_of(policy.backends[primary])
+    out = []
+    for fallback in route.fallbacks:
+        if fallback not in policy.backends:
+            continue
+        other = capabilities_of(policy.backends[fallback])
+        lacking = [f for f in FEATURES if getattr(has, f) and not getattr(other, f)]
+        if lacking:
+            out.append(f"{policy.source}: routes.{name}: fallback '{fallback}' lacks {', '.join(lacking)} that "
+                       f"'{primary}' has; requests that need them will not fall back to it")
     return out

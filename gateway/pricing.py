@@ -74,9 +74,9 @@ def _model_cost() -> dict:
     return litellm.model_cost
 
 
-@functools.cache
-def _lookup(model: str) -> Prices | None:
-    """litellm's price for `model`, tried as written and without its provider prefix."""
+def model_info(model: str) -> dict | None:
+    """litellm's map entry for `model` (prices, context size, capabilities), tried as written and without
+    its provider prefix; None for a model the map does not know."""
     table = _model_cost()
     entry = table.get(model)
     if entry is None and "/" in model:
@@ -85,6 +85,13 @@ def _lookup(model: str) -> Prices | None:
         # Only strip the prefix when the bare entry belongs to that provider (openai/gpt-4o-mini → gpt-4o-mini).
         if candidate is not None and candidate.get("litellm_provider") == provider:
             entry = candidate
+    return entry
+
+
+@functools.cache
+def _lookup(model: str) -> Prices | None:
+    """litellm's price for `model`."""
+    entry = model_info(model)
     if entry is None:
         return None
     inp = entry.get("input_cost_per_token")

@@ -147,7 +147,7 @@ def _route(services: Services, policy: Policy, body: dict, record: LedgerRecord)
     if route is None:
         raise errors.model_not_found(body["model"], list(policy.routes))
     record.route = route.name
-    decision = decide(route, body, services.models, services.load)
+    decision = decide(route, body, services.models, services.load, policy)
     record.route_reason, record.difficulty, record.threshold = decision.reason, decision.difficulty, decision.threshold
     return route, decision
 

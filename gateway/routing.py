@@ -12,6 +12,8 @@ Reasons written to the ledger's `route_reason` (see docs/router.md, "Routing in 
   idle_relaxed     easy only because the idle engine relaxed the threshold
   spillover        easy by score, but the easy engine is saturated → hard
   no_score         no model loaded (yet) or nothing to score → the route's `backend` (default: hard)
+  capability       the first choice cannot serve the request (tools, structured output, images, context)
+                   → the first backend of the chain that can (gateway/capabilities.py)
   budget           (set in proxy.py) the key cannot afford hard → easy
   fallback         (set in proxy.py) served by a backend other than the chain's first
   shadow, shadow_judge  (gateway/shadow/runner.py) mirrored and judge calls of shadow evaluation
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gateway import admission, pricing
+from gateway import admission, capabilities, errors, pricing
 from gateway.engine_load import UNKNOWN, EngineLoad, EngineLoadMonitor
 from gateway.policy import IdleSpec, Policy, RouteSpec, SpilloverSpec
 from gateway.tasks import cancel_and_wait, poll_forever
@@ -107,8 +109,49 @@ def scoring_input(body: dict) -> list | str | None:
     return admission.completions_prompt_text(body.get("prompt"))
 
 
-def decide(route: RouteSpec, body: dict, models: DifficultyModels, load: EngineLoadMonitor) -> Decision:
-    """Fixed routes go to their backend, then their fallbacks; difficulty routes are scored."""
+def decide(route: RouteSpec, body: dict, models: DifficultyModels, load: EngineLoadMonitor,
+           policy: Policy | None = None) -> Decision:
+    """Fixed routes go to their backend, then their fallbacks; difficulty routes are scored. With `policy`,
+    backends that cannot serve the request are then taken out of the chain (`fit_capabilities`)."""
+    decision = _decide(route, body, models, load)
+    if policy is not None:
+        fit_capabilities(route, decision, policy, body)
+    return decision
+
+
+_PARAM_OF = {"tools": "tools", "json_mode": "response_format", "structured_output": "response_format",
+             "images": "messages", "context": "messages"}
+
+
+def fit_capabilities(route: RouteSpec, decision: Decision, policy: Policy, body: dict) -> None:
+    """Keep only the chain's backends that can serve `body`. A difficulty route whose first choice cannot
+    escalates to the first that can (reason `capability`); a fixed route whose backend cannot — or any
+    route where none can — is the client's 400, naming what is missing."""
+    wanted = capabilities.needs(body)
+    caps = {name: capabilities.of(policy.backends[name]) for name in decision.chain}
+    tokens = None
+    if any(c.max_context is not None for c in caps.values()):
+        # about 4 characters a token: the context check must not turn away what would fit
+        tokens = len(admission.prompt_text(body, "chat" if "messages" in body else "completions")) // 4
+    if not wanted and tokens is None:
+        return
+    missing = {name: c.missing(wanted, tokens) for name, c in caps.items()}
+    first = decision.chain[0]
+    capable = [name for name in decision.chain if not missing[name]]
+    if not missing[first]:
+        decision.chain = capable
+        return
+    if route.strategy != "difficulty" or not capable:
+        lacking = missing[first]
+        raise errors.invalid_request(
+            f"Route '{route.name}' is served by '{first}', which does not support {', '.join(lacking)} "
+            f"(this request needs it){'' if capable else '; no backend of the route does'}.",
+            param=_PARAM_OF[lacking[0]], code="unsupported_capability")
+    decision.chain = capable
+    decision.reason = "capability"
+
+
+def _decide(route: RouteSpec, body: dict, models: DifficultyModels, load: EngineLoadMonitor) -> Decision:
     if route.strategy != "difficulty":
         return Decision(chain=route.chain(), reason="fixed")
     model = models.get(route)
