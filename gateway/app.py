@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway import dashboard, db, metrics, pricing, proxy
+from gateway import dashboard, db, errors, metrics, pricing, proxy
 from gateway.auth import Authenticator
 from gateway.backend_pool import BackendPool
 from gateway.backends.resilience import BreakerRegistry
@@ -168,6 +168,21 @@ async def list_models(request: Request) -> Response:
     return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
 
 
+async def retrieve_model(request: Request) -> Response:
+    """`client.models.retrieve(ID)`: a route of the live policy as an OpenAI model object, or 404."""
+    gw: Gateway = request.app.state.gw
+    try:
+        await gw.services.auth.authenticate(request.headers.get("authorization"))
+        name = request.path_params["model"]
+        routes = gw.services.policy_store.current.routes
+        if name not in routes:
+            raise errors.model_not_found(name, list(routes))
+    except APIError as exc:
+        return error_response(exc)
+    body = {"id": name, "object": "model", "created": int(gw.started_at), "owned_by": "switchyard"}
+    return Response(orjson.dumps(body), media_type="application/json")
+
+
 async def health(request: Request) -> Response:
     services: proxy.Services = request.app.state.services
     ledger = services.ledger
@@ -188,6 +203,7 @@ def create_app(config: GatewayConfig) -> Starlette:
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/models", list_models, methods=["GET"]),
+            Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", prometheus, methods=["GET"]),
             *dashboard.routes(),

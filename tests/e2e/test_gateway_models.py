@@ -1,0 +1,32 @@
+"""`GET /v1/models/{id}`: the openai SDK's `models.retrieve`, for every route of the live policy."""
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.e2e.conftest import MASTER_KEY, run_gateway
+
+POLICY = """
+backends:
+  api: {{kind: litellm, model: openai/gpt-4o-mini, api_base: "{standin}", api_key_env: STANDIN_API_KEY}}
+routes:
+  chat-mini: {{backend: api}}
+  team/assistant: {{backend: api}}
+"""
+
+
+def test_models_retrieve(standin, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("STANDIN_API_KEY", "sk-standin")
+    with run_gateway(POLICY.format(standin=standin), tmp_path) as gateway:
+        client = openai.OpenAI(base_url=gateway.base_url, api_key=MASTER_KEY, max_retries=0)
+        listed = {m.id: m for m in client.models.list()}
+        for name in ("chat-mini", "team/assistant"):  # a route name may hold a slash
+            model = client.models.retrieve(name)
+            assert (model.id, model.object, model.owned_by) == (name, "model", "switchyard")
+            assert model.created == listed[name].created
+        with pytest.raises(openai.NotFoundError) as err:
+            client.models.retrieve("no-such-route")
+        assert err.value.code == "model_not_found" and "chat-mini" in err.value.message
+        anonymous = openai.OpenAI(base_url=gateway.base_url, api_key="sk-wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            anonymous.models.retrieve("chat-mini")
