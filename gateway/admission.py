@@ -1,14 +1,15 @@
 """Request validation and the estimates admission control needs (before any backend is called)."""
 from __future__ import annotations
 
-from gateway import errors
+from gateway import errors, request_schema
 from openai_wire import messages_text
 
 DEFAULT_MAX_TOKENS_ESTIMATE = 4096  # a request without max_tokens may run this long; reserve for it
 
 
 def validate(body: object, endpoint: str) -> dict:
-    """Check what the gateway itself relies on; the backend validates the rest."""
+    """Check the request against OpenAI's request schema (gateway/request_schema.py) before any routing: a
+    400 naming the field, whichever backend the route would pick. The body itself is passed on unchanged."""
     if not isinstance(body, dict):
         raise errors.invalid_request("The request body must be a JSON object.")
     model = body.get("model")
@@ -18,23 +19,7 @@ def validate(body: object, endpoint: str) -> dict:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise errors.invalid_request("'messages' must be a non-empty array of messages.", param="messages")
-        for i, message in enumerate(messages):
-            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-                raise errors.invalid_request(f"messages[{i}] must be an object with a 'role'.",
-                                             param=f"messages[{i}]")
-    else:
-        prompt = body.get("prompt")
-        if prompt is None or prompt == "" or prompt == []:
-            raise errors.invalid_request("'prompt' is required and must not be empty.", param="prompt")
-    if "stream" in body and not isinstance(body["stream"], bool):
-        raise errors.invalid_request("'stream' must be a boolean.", param="stream")
-    for name in ("max_tokens", "max_completion_tokens"):
-        value = body.get(name)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise errors.invalid_request(f"'{name}' must be a positive integer.", param=name)
-    stream_options = body.get("stream_options")
-    if stream_options is not None and not isinstance(stream_options, dict):
-        raise errors.invalid_request("'stream_options' must be an object.", param="stream_options")
+    request_schema.check(body, endpoint)
     return body
 
 

@@ -13,17 +13,20 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway import dashboard, db, errors, metrics, pricing, proxy
+from gateway import dashboard, db, errors, metrics, pricing, proxy, settings
+from gateway import health as backend_health
 from gateway.auth import Authenticator
 from gateway.backend_pool import BackendPool
 from gateway.backends.resilience import BreakerRegistry
 from gateway.budgets import BudgetBook
 from gateway.embedded import EmbeddedEngines
 from gateway.engine_load import EngineLoadMonitor
+from gateway.http_edge import RequestIdMiddleware
 from gateway.ledger.models import RequestRow
 from gateway.ledger.writer import LedgerWriter, ShadowEvalWriter, UptimeWriter
 from gateway.policy import Policy
@@ -47,6 +50,8 @@ class GatewayConfig:
     master_key: str | None = None
     wait_for_engines_s: float = 120.0  # at start, how long to wait for embedded engines to be healthy
     banner: str | None = None  # printed once startup is complete (the first-start key and snippet)
+    # Larger request bodies get a 413 before they are parsed (env SWITCHYARD_MAX_BODY_BYTES; default 8 MiB).
+    max_body_bytes: int = field(default_factory=settings.max_body_bytes)
 
 
 @dataclass(slots=True)
@@ -111,7 +116,7 @@ async def _start(config: GatewayConfig) -> Gateway:
     await shadow.start()
     services = proxy.Services(auth=auth, policy_store=policy_store, models=routing.models, load=routing.load,
                               limiter=limiter, budgets=budgets, pool=pool, breakers=breakers, ledger=writer,
-                              shadow=shadow)
+                              shadow=shadow, max_body_bytes=config.max_body_bytes)
     gw = Gateway(config=config, db_engine=db_engine, embedded=embedded, routing=routing, services=services,
                  uptime_writer=uptime_writer)
     await _apply_policy(gw, policy_store.current)
@@ -183,10 +188,23 @@ async def retrieve_model(request: Request) -> Response:
     return Response(orjson.dumps(body), media_type="application/json")
 
 
+def _backend_states(gw: Gateway) -> dict[str, str]:
+    services = gw.services
+    return backend_health.backend_states(services.policy_store.current, services.breakers, services.load,
+                                         gw.embedded)
+
+
 async def health(request: Request) -> Response:
-    services: proxy.Services = request.app.state.services
+    """Always 200 while the gateway serves (load balancers decide); `status` is `degraded` when some route
+    has no live backend, and `backends` says which is up, down or circuit_open (gateway/health.py)."""
+    gw: Gateway = request.app.state.gw
+    services = gw.services
     ledger = services.ledger
-    return JSONResponse({"status": "ok", "policy_version": services.policy_store.current.version,
+    policy = services.policy_store.current
+    states = _backend_states(gw)
+    unserved = backend_health.unserved_routes(policy, states)
+    return JSONResponse({"status": "degraded" if unserved else "ok", "policy_version": policy.version,
+                         "backends": states, "unserved_routes": unserved,
                          "ledger_queue": ledger.queue_depth, "database": ledger.db_available})
 
 
@@ -194,6 +212,9 @@ async def prometheus(request: Request) -> Response:
     services: proxy.Services = request.app.state.services
     for name, state in services.breakers.states().items():
         metrics.BREAKER_STATE.labels(name).set(state)
+    metrics.BACKEND_UP.clear()  # backends a reload removed disappear
+    for name, up in _backend_states(request.app.state.gw).items():
+        metrics.BACKEND_UP.labels(name).set(1 if up == "up" else 0)
     return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -210,6 +231,7 @@ def create_app(config: GatewayConfig) -> Starlette:
         ],
         lifespan=_lifespan,
         exception_handlers={404: _not_found, 405: _method_not_allowed},
+        middleware=[Middleware(RequestIdMiddleware)],  # every response, errors included, has an x-request-id
     )
     app.state.config = config
     return app

@@ -56,10 +56,9 @@ class BudgetBook:
         committed = account.spent_usd + account.reserved_usd
         if committed + estimate_usd > key.budget_usd + 1e-12:
             left = max(0.0, key.budget_usd - committed)
-            raise errors.rate_limited(
+            raise errors.quota_exceeded(
                 f"Budget exceeded for key {key.id}: ${committed:.6f} of ${key.budget_usd:.6f} spent or reserved; "
-                f"this request may cost up to ${estimate_usd:.6f} and ${left:.6f} is left.",
-                retry_after_s=60, code="insufficient_quota")
+                f"this request may cost up to ${estimate_usd:.6f} and ${left:.6f} is left.")
         account.reserved_usd += estimate_usd
         return Reservation(key_id=key.id, amount_usd=estimate_usd)
 

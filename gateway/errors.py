@@ -7,7 +7,16 @@ from __future__ import annotations
 
 from openai_wire import APIError
 
-__all__ = ["APIError", "authentication", "invalid_request", "model_not_found", "rate_limited", "upstream_failed"]
+__all__ = ["APIError", "authentication", "backend_misconfigured", "clip", "invalid_request", "model_not_found",
+           "quota_exceeded", "rate_limited", "request_too_large", "upstream_failed", "upstream_rejected"]
+
+ECHO_CHARS = 64  # a client's string echoed in an error message is cut to this many characters
+
+
+def clip(value: object, limit: int = ECHO_CHARS) -> str:
+    """`value` as text of at most `limit` characters ("…" marks a cut): for echoing and storing client strings."""
+    text = value if isinstance(value, str) else str(value)
+    return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
 def invalid_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -20,14 +29,40 @@ def authentication(message: str) -> APIError:
 
 def model_not_found(model: str, known: list[str]) -> APIError:
     names = ", ".join(sorted(known)) or "(none)"
-    return APIError(404, f"The model '{model}' does not exist on this gateway. Known models: {names}.",
+    return APIError(404, f"The model '{clip(model)}' does not exist on this gateway. Known models: {names}.",
                     type="invalid_request_error", param="model", code="model_not_found")
 
 
 def rate_limited(message: str, retry_after_s: float, code: str = "rate_limit_exceeded") -> APIError:
+    """A per-key RPM/TPM limit (or an upstream's): Retry-After says when a retry can succeed."""
     seconds = max(1, int(retry_after_s + 0.999))
-    return APIError(429, message, type="rate_limit_error" if code == "rate_limit_exceeded" else "insufficient_quota",
-                    code=code, headers={"Retry-After": str(seconds)})
+    return APIError(429, message, type="rate_limit_error", code=code, headers={"Retry-After": str(seconds)})
+
+
+def quota_exceeded(message: str) -> APIError:
+    """A budget that is spent: no retry helps, so `x-should-retry: false` (the openai SDKs give up at once) and no
+    Retry-After (they would otherwise sleep for it)."""
+    return APIError(429, message, type="insufficient_quota", code="insufficient_quota",
+                    headers={"x-should-retry": "false"})
+
+
+def request_too_large(limit_bytes: int) -> APIError:
+    return APIError(413, f"The request body is larger than this gateway's limit of {limit_bytes} bytes.",
+                    type="invalid_request_error", code="request_too_large")
+
+
+def upstream_rejected(status: int, detail: str, param: str | None = None, code: str | None = None) -> APIError:
+    """An upstream's 4xx about the request itself, passed on as that status, its message quoted."""
+    return APIError(status, f"The backend rejected the request: {detail}", type="invalid_request_error",
+                    param=param, code=code)
+
+
+def backend_misconfigured(status: int, detail: str) -> APIError:
+    """The provider refused our credentials or model name (401/403/404): the gateway's fault, not the client's.
+    A client's retry cannot fix it: `x-should-retry: false` stops the openai SDKs retrying a 502."""
+    return APIError(502, f"The gateway's backend is misconfigured (the provider answered {status}: {detail}); "
+                         "this is not a problem with your request — tell the gateway's operator.",
+                    type="api_error", code="backend_misconfigured", headers={"x-should-retry": "false"})
 
 
 def upstream_failed(message: str, *, timeout: bool = False) -> APIError:

@@ -16,6 +16,8 @@ COST = Counter("switchyard_cost_usd_total", "Cost in USD by backend and basis", 
 IN_FLIGHT = Gauge("switchyard_requests_in_flight", "Requests being served now")
 BREAKER_STATE = Gauge("switchyard_backend_circuit_state", "Circuit breaker: 0 closed, 1 open, 2 half-open",
                       ["backend"])
+BACKEND_UP = Gauge("switchyard_backend_up", "1 when the backend is up, 0 when down or its circuit is open "
+                   "(as /health reports it)", ["backend"])
 POLICY_INFO = Gauge("switchyard_policy_version_info", "The live policy version (value 1)", ["version"])
 ENGINE_RESTARTS = Counter("switchyard_embedded_engine_restarts_total", "Embedded engine restarts", ["backend"])
 LOOP_LAG = Histogram("switchyard_event_loop_lag_seconds", "How late the event loop wakes a 0.25 s timer "

@@ -11,11 +11,19 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import orjson
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from gateway import admission, errors, metrics, pricing
-from gateway.backends.base import Backend, Completion, Endpoint, StreamTally, UpstreamError
+from gateway import admission, errors, metrics, pricing, settings
+from gateway.backends.base import (
+    BACKEND_FAULT_STATUSES,
+    Backend,
+    Completion,
+    Endpoint,
+    StreamTally,
+    UpstreamError,
+    Usage,
+)
 from gateway.backends.resilience import BreakerRegistry, complete_with_fallbacks, open_stream_with_fallbacks
 from gateway.ledger.record import ENDPOINT_NAMES, LedgerRecord
 from gateway.ledger.writer import LedgerWriter
@@ -52,6 +60,7 @@ class Services:
     breakers: BreakerRegistry
     ledger: LedgerWriter
     shadow: ShadowRunner | None = None
+    max_body_bytes: int = settings.DEFAULT_MAX_BODY_BYTES  # larger bodies: 413 before parsing
 
 
 @dataclass(slots=True)
@@ -78,8 +87,9 @@ async def handle(services: Services, request: Request, endpoint: Endpoint) -> Re
         key = await services.auth.authenticate(request.headers.get("authorization"))
     except APIError as exc:
         metrics.AUTH_FAILURES.inc()
-        return error_response(exc)
-    record = LedgerRecord(request_id=request_id, created_at=datetime.now(UTC), api_key_id=key.id, team=key.team,
+        return _with_id(error_response(exc), request_id)
+    record = LedgerRecord(request_id=request_id, created_at=datetime.now(UTC), api_key_id=key.id,
+                          team=errors.clip(key.team, _TEAM_CHARS) if key.team else key.team,
                           endpoint=ENDPOINT_NAMES[endpoint])
     in_flight = metrics.InFlight()
     response: Response | None = None
@@ -115,7 +125,7 @@ async def _serve(services: Services, request: Request, endpoint: Endpoint, recor
 async def _admit(services: Services, request: Request, endpoint: Endpoint, record: LedgerRecord, key: KeyInfo,
                  started: float, in_flight: metrics.InFlight) -> Call:
     """Read and route the request, check its key's limits and reserve its worst-case cost (APIError if not)."""
-    body = await _read_body(request, endpoint)
+    body = await _read_body(request, endpoint, services.max_body_bytes)
     policy = services.policy_store.current
     route, decision = _route(services, policy, body, record)
     prompt_tokens = admission.estimate_prompt_tokens(body, endpoint)
@@ -130,17 +140,57 @@ async def _admit(services: Services, request: Request, endpoint: Endpoint, recor
                 chain=decision.chain, reservation=reservation, started=started, in_flight=in_flight, shadow=shadow)
 
 
-async def _read_body(request: Request, endpoint: Endpoint) -> dict:
+async def _read_body(request: Request, endpoint: Endpoint, limit: int) -> dict:
     try:
-        body = orjson.loads(await request.body())
+        body = orjson.loads(await _body_within(request, limit))
     except orjson.JSONDecodeError as exc:
         raise errors.invalid_request(f"The request body is not valid JSON: {exc}.") from None
     return admission.validate(body, endpoint)
 
 
+async def _body_within(request: Request, limit: int) -> bytes:
+    """The request body, read with a running count: past `limit` bytes, a 413 before anything is parsed (what
+    was read is dropped; the rest is drained, up to a bound, so the client reads the 413 and not a reset)."""
+    declared = request.headers.get("content-length")
+    receive = request.receive
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        await _drain(receive, limit)
+        raise errors.request_too_large(limit)
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            parts.clear()
+            if message.get("more_body", False):
+                await _drain(receive, limit)
+            raise errors.request_too_large(limit)
+        if chunk:
+            parts.append(chunk)
+        if not message.get("more_body", False):
+            return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+async def _drain(receive: Callable, limit: int) -> None:
+    budget = max(4 * limit, _DRAIN_BYTES)
+    while budget > 0:
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
+        budget -= len(message.get("body", b""))
+
+
+_DRAIN_BYTES = 64 * 1024 * 1024  # read (and drop) at most this much of an oversized body
+_TEAM_CHARS, _STORED_CHARS, _CODE_CHARS = 128, 256, 64  # the ledger's column widths (gateway/ledger/models.py)
+
+
 def _route(services: Services, policy: Policy, body: dict, record: LedgerRecord) -> tuple[RouteSpec, Decision]:
     """The route the requested model names, and routing's decision for this request."""
-    record.requested_model = body["model"]
+    record.requested_model = errors.clip(body["model"], _STORED_CHARS)
     record.policy_version = policy.version
     record.stream = bool(body.get("stream"))
     route = policy.routes.get(body["model"])
@@ -183,11 +233,12 @@ async def _dispatch(services: Services, request: Request, call: Call, with_fallb
     """Try the call's chain with `with_fallbacks` (plain or stream opener) until the client leaves: its
     result, or the Response that ends the request (499 for a closed client, the upstream's error)."""
     chain = services.pool.chain(call.chain)
+    attempted: list[Backend] = []
     try:
         result = await until_disconnect(
-            request.receive, with_fallbacks(chain, _payload(call), call.endpoint, services.breakers))
+            request.receive, with_fallbacks(chain, _payload(call), call.endpoint, services.breakers, attempted))
     except ClientClosed:
-        return _client_closed(services, call)
+        return _client_closed(services, call, attempted[-1] if attempted else None)
     except UpstreamError as exc:
         call.record.attempts = max(call.record.attempts, exc.attempts)
         return _upstream_failure(services, call, exc)
@@ -220,8 +271,19 @@ async def _stream(services: Services, request: Request, call: Call) -> Response:
                                headers={"x-switchyard-backend": backend.name, "x-request-id": call.record.request_id})
 
 
-def _client_closed(services: Services, call: Call) -> Response:
-    _finish(services, call, None, None, status="client_closed", error_type="client_closed")
+def _client_closed(services: Services, call: Call, backend: Backend | None) -> Response:
+    """The client left before the answer: the backend at work keeps the row, with what is known of its work. A
+    plain answer carries no progress, so the prompt (admission's estimate) is what is known to have been
+    processed; an engine's device time is estimated from its learned rate (cost_note device_seconds_estimated)."""
+    if backend is None:
+        _finish(services, call, None, None, status="client_closed", error_type="client_closed")
+    else:
+        usage = Usage(admission.estimate_prompt_tokens(call.body, call.endpoint), 0, 0)
+        device_seconds = services.pool.estimate_device_seconds(backend.name, usage) \
+            if backend.spec.kind == "engine" else None
+        _finish(services, call, backend.spec, Completion({}, usage, device_seconds),
+                status="client_closed", error_type="client_closed",
+                device_seconds_estimated=device_seconds is not None)
     return Response(status_code=499)
 
 
@@ -254,7 +316,7 @@ class _Relay:
                     if not chunk.get("choices"):
                         continue
                 if chunk.get("model") and not record.served_model:
-                    record.served_model = chunk["model"]
+                    record.served_model = errors.clip(chunk["model"], _STORED_CHARS)
                 yield sse_event(orjson.dumps(chunk))
             yield SSE_DONE
             self.status, self.error_type = "ok", None
@@ -328,7 +390,7 @@ def _charge(services: Services, call: Call, spec: BackendSpec, completion: Compl
     """Cost, device-time learning, token rate limits and token/cost metrics of a request a backend served."""
     record, usage = call.record, completion.usage
     if completion.body.get("model"):
-        record.served_model = completion.body["model"]
+        record.served_model = errors.clip(completion.body["model"], _STORED_CHARS)
     pricing.charge(record, spec, usage, completion.device_seconds, completion.utilisation, call.policy, call.route,
                    estimated=device_seconds_estimated)
     if spec.kind == "engine" and completion.device_seconds is not None and status == "ok":
@@ -350,23 +412,36 @@ def _observe(record: LedgerRecord, route: str, status: str) -> None:
 
 def _log_rejection(services: Services, record: LedgerRecord, exc: APIError, started: float) -> None:
     record.status, record.error_type, record.http_status = "rejected", exc.code or exc.type, exc.status
+    record.error_type = errors.clip(record.error_type, _CODE_CHARS)
     record.latency_ms = (time.perf_counter() - started) * 1000
     metrics.REQUESTS.labels(record.route or "none", "none", "rejected").inc()
     services.ledger.submit(record)
 
 
 def _upstream_to_api_error(exc: UpstreamError) -> APIError:
-    detail = str(exc) or exc.kind
-    if exc.kind == "timeout":
-        return errors.upstream_failed(f"The upstream timed out: {detail}", timeout=True)
+    """What the client is told, in our words (the upstream's own message quoted, never litellm's wrapping):
+    the request's own fault keeps its 4xx (400 when refused before it was sent); our misconfiguration
+    (401/403/404 from the provider) and an unwell backend are 502/504."""
+    detail = errors.clip(exc.detail or f"{exc.kind} error (see the gateway log)", 500)
+    upstream = exc.body["error"] if exc.body and isinstance(exc.body.get("error"), dict) else {}
+    param = upstream.get("param") if isinstance(upstream.get("param"), str) else None
+    code = upstream.get("code") if isinstance(upstream.get("code"), str) else None
+    if exc.kind == "timeout" or exc.status == 408:
+        log.info("upstream timeout: %s", exc.message)
+        return errors.upstream_failed("The backend did not answer in time.", timeout=True)
+    if exc.kind == "connect" and exc.detail is None:  # our transport error (names an internal URL): logged
+        log.info("upstream unreachable: %s", exc.message)
+        return errors.upstream_failed("No backend could be reached for this model (connection failed or "
+                                      "circuit open); try again shortly.")
+    if exc.kind == "request":
+        return errors.invalid_request(f"The request could not be sent to the backend: {detail}")
     if exc.status == 429:
-        return errors.rate_limited(f"Upstream rate limit: {detail}", retry_after_s=1)
-    if exc.status in (400, 422) and exc.body and isinstance(exc.body.get("error"), dict):
-        upstream = exc.body["error"]
-        return errors.invalid_request(str(upstream.get("message") or detail), param=upstream.get("param"),
-                                      code=upstream.get("code"))
-    if exc.status in (400, 422):
-        return errors.invalid_request(detail)
+        return errors.rate_limited(f"The backend is rate limiting requests: {detail}", retry_after_s=1)
+    if exc.status in BACKEND_FAULT_STATUSES:
+        return errors.backend_misconfigured(exc.status, detail)
+    if exc.status is not None and 400 <= exc.status < 500 and exc.status != 409:
+        return errors.upstream_rejected(exc.status, detail, param=param, code=code and errors.clip(code, _CODE_CHARS))
+    log.info("upstream failed: %s", exc.message)
     return errors.upstream_failed(f"All backends failed: {detail}")
 
 

@@ -25,3 +25,20 @@ def database_url(cli_value: str | None = None) -> str:
 
 def master_key() -> str | None:
     return os.environ.get("SWITCHYARD_MASTER_KEY") or None
+
+
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # 8 MiB
+
+
+def max_body_bytes() -> int:
+    """The largest request body the gateway reads (SWITCHYARD_MAX_BODY_BYTES, default 8 MiB): larger is a 413."""
+    raw = os.environ.get("SWITCHYARD_MAX_BODY_BYTES")
+    if not raw:
+        return DEFAULT_MAX_BODY_BYTES
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"SWITCHYARD_MAX_BODY_BYTES must be a whole number of bytes, not {raw!r}") from None
+    if value < 1:
+        raise ValueError("SWITCHYARD_MAX_BODY_BYTES must be at least 1")
+    return value

@@ -12,15 +12,23 @@ if TYPE_CHECKING:
     from gateway.policy import BackendSpec
 
 Endpoint = Literal["chat", "completions"]
-ErrorKind = Literal["timeout", "connect", "http", "protocol"]
+# "request": refused before it left the gateway (e.g. litellm could not build the provider's request from it).
+ErrorKind = Literal["timeout", "connect", "http", "protocol", "request"]
 
 # 408 (request timeout), 409 (OpenAI's lock timeout), 429 (rate limit) and 5xx are worth another try.
 RETRYABLE_STATUSES = frozenset({408, 409, 429})
 
 
 # The upstream rejected *our* credentials or model name: retrying the same backend is useless, but the
-# request itself may be fine, so the next backend in the chain is tried.
+# request itself may be fine, so the next backend in the chain is tried. It is our misconfiguration, not the
+# client's fault (a 502 if no backend serves it) and not an outage: it does not count against the breaker
+# (opening it would not heal a bad key), so the next request tries the backend again.
 BACKEND_FAULT_STATUSES = frozenset({401, 403, 404})
+
+# Only these say the backend itself is unwell and count against its circuit breaker: no connection, a
+# timeout (408 included), a malformed answer, a 5xx. A 4xx is about the request (or our configuration), and
+# a 409/429 says "busy": retried, but a busy provider is not a broken one.
+_TRANSPORT_KINDS = frozenset({"timeout", "connect", "protocol"})
 
 
 def is_retryable_status(status: int) -> bool:
@@ -32,17 +40,24 @@ class UpstreamError(Exception):
 
     `retryable`: another attempt on the same backend may succeed (429, 5xx, timeouts, connection errors).
     `fallback`: another backend may succeed — true when retryable, and for 401/403/404 (a backend
-    misconfigured with a bad key or model name). False for 400/413/422: the request itself is at fault.
+    misconfigured with a bad key or model name). False for any other 4xx and for kind "request" (refused
+    before it was sent): the request itself is at fault, and would fail everywhere.
+    `counts_against_backend`: the failure says the backend is unwell (transport errors, 408, 5xx): only these
+    move its circuit breaker.
     """
 
     def __init__(self, message: str, *, kind: ErrorKind, status: int | None = None, retryable: bool = True,
-                 body: dict | None = None, retry_after: float | None = None, backend: str | None = None):
+                 body: dict | None = None, retry_after: float | None = None, backend: str | None = None,
+                 detail: str | None = None):
         super().__init__(message)
-        self.message = message
+        self.message = message  # for the gateway's log: names the backend
+        self.detail = detail  # the upstream's own words (no litellm wrapping), quotable to the client
         self.kind = kind
         self.status = status
         self.retryable = retryable
         self.fallback = retryable or status in BACKEND_FAULT_STATUSES
+        self.counts_against_backend = kind in _TRANSPORT_KINDS or (status is not None and (
+            status >= 500 or status == 408))
         self.body = body  # the upstream's OpenAI error body, when it sent one
         self.retry_after = retry_after  # seconds, from the upstream's Retry-After header
         self.backend = backend

@@ -154,7 +154,7 @@ class EngineBackend(Backend):
             pass
         detail = body["error"].get("message") if body else content[:200].decode("utf-8", "replace")
         return UpstreamError(f"{self.name}: upstream returned {status}: {detail}", kind="http", status=status,
-                             retryable=is_retryable_status(status), body=body,
+                             retryable=is_retryable_status(status), body=body, detail=detail,
                              retry_after=parse_retry_after(headers.get("retry-after")), backend=self.name)
 
 

@@ -3,11 +3,23 @@
 litellm only translates the wire format here: retries, fallbacks and cooldowns are ours (num_retries=0,
 max_retries=0), costs come from gateway/pricing.py, and litellm's own callbacks and telemetry are off.
 Responses are returned as plain OpenAI dicts, without litellm's extra fields.
+
+Pass-through: litellm keeps `metadata` for its own logging, drops `user` for model names it does not
+know, and rewrites the `developer` role as `system`. For OpenAI-compatible providers (`_PASSTHROUGH_PROVIDERS`)
+the client's `metadata` and `user`, and its messages as sent when one has the `developer` role, go into
+`extra_body`, which the OpenAI SDK merges into the JSON body last. Other providers get what litellm makes
+of them: `developer` as `system`, `user` where litellm maps it (e.g. Anthropic's metadata.user_id), and no
+`metadata` (it has no equivalent there).
+
+Errors: `map_litellm_error` types every litellm exception. One that litellm raised while building the
+provider's request (a TypeError/ValueError… with no network error behind it) is the client's: kind
+"request", a 400, never retried. The upstream's message is kept without litellm's wording in `detail`.
 """
 from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +53,10 @@ _EXTRA_TOP = ("provider_specific_fields", "citations", "moderation", "obfuscatio
 _EXTRA_CHOICE = ("provider_specific_fields",)
 # Request fields we set ourselves.
 _OURS = frozenset({"model", "stream", "stream_options", "timeout", "api_base", "api_key", "num_retries",
-                   "max_retries"})
+                   "max_retries", "extra_body", "metadata"})
+# litellm providers that speak OpenAI's own wire (the request body goes out as OpenAI JSON).
+_PASSTHROUGH_PROVIDERS = frozenset({"openai", "custom_openai", "hosted_vllm", "openai_like", "lm_studio",
+                                    "text-completion-openai", "llamafile", "litellm_proxy"})
 
 
 class LiteLLMBackend(Backend):
@@ -56,10 +71,19 @@ class LiteLLMBackend(Backend):
         if spec.api_base:
             fixed["api_base"] = spec.api_base
         self._fixed = fixed
+        self._passthrough = _provider(spec.model) in _PASSTHROUGH_PROVIDERS
 
     def _kwargs(self, payload: dict) -> dict:
         kwargs = {k: v for k, v in payload.items() if k not in _OURS}
         kwargs.update(self._fixed)
+        if self._passthrough:
+            extra = {k: payload[k] for k in ("metadata", "user") if payload.get(k) is not None}
+            messages = payload.get("messages")
+            if isinstance(messages, list) and any(
+                    isinstance(m, dict) and m.get("role") == "developer" for m in messages):
+                extra["messages"] = messages  # as sent: litellm would make `developer` a `system` message
+            if extra:
+                kwargs["extra_body"] = extra
         if self.spec.api_key_env:  # read per call so a rotated key is picked up without a restart
             key = os.environ.get(self.spec.api_key_env)
             if key:
@@ -132,19 +156,66 @@ def _caused_by_connect_error(e: BaseException) -> bool:
     return "Connection error" in str(e)
 
 
+def _provider(model: str) -> str | None:
+    try:
+        return litellm.get_llm_provider(model)[1]
+    except Exception:  # noqa: BLE001 — an unknown provider: no pass-through, litellm reports it on the call
+        return None
+
+
+# litellm's wrapping of a provider's message: "litellm.BadRequestError: OpenAIException - …",
+# "litellm.APIConnectionError: APIConnectionError: OpenAIException - …", and its trailers.
+_LITELLM_PREFIX = re.compile(r"^(?:litellm\.\w+:\s*|\w*(?:Error|Exception)\s*(?::|-)\s*)+")
+_LITELLM_TRAILER = re.compile(r"\s*(?:Received Model Group=|LiteLLM Retried:|Available Model Group Fallbacks=).*$",
+                              re.DOTALL)
+_MAX_DETAIL = 500
+
+
+def provider_message(e: BaseException) -> str:
+    """The provider's (or the failed check's) own message, without litellm's class names and trailers."""
+    body = getattr(e, "body", None)
+    if isinstance(body, dict):
+        inner = body.get("error") if isinstance(body.get("error"), dict) else body
+        if isinstance(inner.get("message"), str) and inner["message"]:
+            return inner["message"][:_MAX_DETAIL]
+    text = _LITELLM_TRAILER.sub("", _LITELLM_PREFIX.sub("", str(getattr(e, "message", None) or e))).strip()
+    return (text or type(e).__name__)[:_MAX_DETAIL]
+
+
+_LOCAL_ERRORS = (TypeError, ValueError, KeyError, AttributeError, IndexError)
+
+
+def _raised_locally(e: BaseException) -> bool:
+    """Did litellm fail while building the provider's request (a plain Python error, no network behind it)?"""
+    seen, cur, local = 0, e, False
+    while cur is not None and seen < 10:
+        if isinstance(cur, httpx.TransportError | OSError | TimeoutError | httpx.HTTPStatusError) or type(
+                cur).__name__ in ("ClientConnectorError", "ClientConnectionError", "ServerDisconnectedError"):
+            return False
+        if type(cur) in _LOCAL_ERRORS or (isinstance(cur, _LOCAL_ERRORS) and type(cur).__module__ != "openai"
+                                          and not type(cur).__module__.startswith("litellm")):
+            local = True
+        cur = cur.__cause__ or cur.__context__
+        seen += 1
+    return local
+
+
 def map_litellm_error(e: Exception, backend: str) -> UpstreamError:
     """litellm/openai exceptions → UpstreamError with the upstream status and whether a retry may help."""
     import openai
 
-    message = f"{backend}: {type(e).__name__}: {e}"
+    detail = provider_message(e)
+    message = f"{backend}: {type(e).__name__}: {detail}"
     if isinstance(e, openai.APITimeoutError):  # litellm.Timeout
-        return UpstreamError(message, kind="timeout", retryable=True, backend=backend)
+        return UpstreamError(message, kind="timeout", retryable=True, backend=backend, detail=detail)
+    if _raised_locally(e):  # e.g. content an integer: nothing was sent, and no retry or backend can fix it
+        return UpstreamError(message, kind="request", retryable=False, backend=backend, detail=detail)
     if isinstance(e, openai.APIConnectionError) or _caused_by_connect_error(e):
-        return UpstreamError(message, kind="connect", retryable=True, backend=backend)
+        return UpstreamError(message, kind="connect", retryable=True, backend=backend, detail=detail)
     status = getattr(e, "status_code", None)
     if not isinstance(status, int):
         # Not an HTTP answer (e.g. a malformed response): another attempt or backend may do better.
-        return UpstreamError(message, kind="protocol", retryable=True, backend=backend)
+        return UpstreamError(message, kind="protocol", retryable=True, backend=backend, detail=detail)
     body = getattr(e, "body", None)
     if isinstance(body, dict) and "message" in body and "error" not in body:
         body = {"error": body}
@@ -155,7 +226,7 @@ def map_litellm_error(e: Exception, backend: str) -> UpstreamError:
     if isinstance(response, httpx.Response):
         retry_after = parse_retry_after(response.headers.get("retry-after"))
     return UpstreamError(message, kind="http", status=status, retryable=is_retryable_status(status), body=body,
-                         retry_after=retry_after, backend=backend)
+                         retry_after=retry_after, backend=backend, detail=detail)
 
 
 async def stop_litellm_workers() -> None:

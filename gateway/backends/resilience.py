@@ -1,10 +1,13 @@
 """Retries with backoff, ordered fallbacks and per-backend circuit breakers.
 
-A backend is tried with retries on retryable failures (429, 5xx, timeouts, connection errors); when it
-gives up, the next backend in the route's chain is tried. 401/403/404 mean the backend is misconfigured
-(key, model name): no retry there, but the next backend is tried. A bad request (400, 413, 422) is
-returned at once without fallback: the request is at fault, not the backend, and would fail everywhere. A circuit breaker per backend stops sending traffic
-after `failure_threshold` consecutive failures, then lets one probe through after `cooldown_s`.
+A backend is tried with retries on retryable failures (408, 409, 429, 5xx, timeouts, connection errors);
+when it gives up, the next backend in the route's chain is tried. 401/403/404 mean the backend is
+misconfigured (key, model name): no retry there, but the next backend is tried. A bad request (any other
+4xx, or one refused before it was sent) is returned at once without retry or fallback: the request is at
+fault, not the backend, and would fail everywhere. A circuit breaker per backend stops sending traffic
+after `failure_threshold` consecutive failures, then lets one probe through after `cooldown_s`; only
+connection failures, timeouts, malformed answers and 5xx count as failures (`counts_against_backend`) —
+a client's bad request, our bad key and an upstream's "busy" (409/429) never open it.
 """
 from __future__ import annotations
 
@@ -141,10 +144,13 @@ def _all_unavailable(chain: list[Backend], attempts: int) -> UpstreamError:
 
 
 async def _with_fallbacks(chain: list[Backend], breakers: BreakerRegistry,
-                          attempt: Callable[[Backend], Awaitable[T]]) -> tuple[T, Backend, int]:
+                          attempt: Callable[[Backend], Awaitable[T]],
+                          attempted: list[Backend] | None = None) -> tuple[T, Backend, int]:
     """The one retry/fallback loop: `attempt(backend)` makes one try at one backend.
 
     Returns (its result, the backend that gave it, attempts made); raises the last UpstreamError if all fail.
+    `attempted`, when given, gets each backend as its attempt starts (the last one is the backend at work
+    when the caller cancels, e.g. because the client left).
     """
     attempts = 0
     last: UpstreamError | None = None
@@ -155,15 +161,23 @@ async def _with_fallbacks(chain: list[Backend], breakers: BreakerRegistry,
         retry = 0
         while True:
             attempts += 1
+            if attempted is not None:
+                attempted.append(backend)
             try:
                 result = await attempt(backend)
             except UpstreamError as e:
                 e.backend = e.backend or backend.name
                 e.attempts = attempts
                 if not e.fallback:
-                    breaker.record_success()  # the backend answered; the request is what's wrong
+                    if e.kind == "request":
+                        breaker.release()  # never sent: no verdict on the backend
+                    else:
+                        breaker.record_success()  # the backend answered; the request is what's wrong
                     raise
-                breaker.record_failure()
+                if e.counts_against_backend:
+                    breaker.record_failure()
+                else:
+                    breaker.release()  # misconfigured (401/403/404) or busy (409/429): not an outage
                 last = e
                 delay = _retry_delay(backend.spec, breaker, e, retry)
                 if delay is None:
@@ -191,9 +205,10 @@ def _retry_delay(spec: BackendSpec, breaker: CircuitBreaker, e: UpstreamError, r
 
 
 async def complete_with_fallbacks(chain: list[Backend], payload: dict, endpoint: Endpoint,
-                                  breakers: BreakerRegistry) -> tuple[Completion, Backend, int]:
+                                  breakers: BreakerRegistry, attempted: list[Backend] | None = None,
+                                  ) -> tuple[Completion, Backend, int]:
     """(completion, the backend that served it, attempts made). Raises the last UpstreamError if all fail."""
-    return await _with_fallbacks(chain, breakers, lambda backend: backend.complete(payload, endpoint))
+    return await _with_fallbacks(chain, breakers, lambda backend: backend.complete(payload, endpoint), attempted)
 
 
 class FallbackStream:
@@ -220,7 +235,7 @@ class FallbackStream:
         try:
             return await self._inner.__anext__()
         except UpstreamError as e:
-            if e.retryable:
+            if e.counts_against_backend:
                 self._breaker.record_failure()
             raise
 
@@ -230,13 +245,14 @@ class FallbackStream:
 
 
 async def open_stream_with_fallbacks(chain: list[Backend], payload: dict, endpoint: Endpoint,
-                                     breakers: BreakerRegistry) -> tuple[Backend, FallbackStream, int]:
+                                     breakers: BreakerRegistry, attempted: list[Backend] | None = None,
+                                     ) -> tuple[Backend, FallbackStream, int]:
     """Like complete_with_fallbacks for streams: a backend counts as working once it yields its first chunk.
 
     Returns (backend, stream, attempts); the caller must `aclose()` the stream when done or on disconnect.
     """
     (first, inner), backend, attempts = await _with_fallbacks(
-        chain, breakers, lambda backend: _first_chunk(backend, payload, endpoint))
+        chain, breakers, lambda backend: _first_chunk(backend, payload, endpoint), attempted)
     return backend, FallbackStream(first, inner, breakers[backend.name]), attempts
 
 

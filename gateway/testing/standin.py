@@ -297,6 +297,9 @@ class _Connection(asyncio.Protocol):
                                                 b'"created":0,"owned_by":"standin"}]}'))
         elif path == "/health":
             self.transport.write(_response(200, b'{"status":"ok"}'))
+        elif path == "/metrics" and method == "GET":  # answers the gateway's load monitor: up, no load figures
+            self.transport.write(_response(200, b"# a stand-in: no engine series\nstandin_up 1\n",
+                                           b"text/plain; version=0.0.4"))
         else:
             self.transport.write(_error(404, f"no route {method} {path}"))
 

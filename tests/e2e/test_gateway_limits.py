@@ -62,7 +62,9 @@ def test_concurrent_requests_cannot_overspend_a_budget(gateway):
     refused = [r for r in results if isinstance(r, Exception)]
     assert served, "some requests must be served"
     assert all(isinstance(r, openai.RateLimitError) for r in refused)
-    assert all(r.response.headers.get("retry-after") for r in refused)
+    # issue 12: a spent budget is final: no Retry-After for the SDK to sleep on, and x-should-retry: false
+    assert all(r.response.headers.get("retry-after") is None for r in refused)
+    assert all(r.response.headers.get("x-should-retry") == "false" for r in refused)
     assert all(r.body["code"] == "insufficient_quota" for r in refused)
     gateway.call(gateway.gw.services.ledger.flush)
     rows = ledger_rows(gateway.config.database_url, "status = 'ok'")

@@ -1,0 +1,485 @@
+"""OpenAI's request schema for `/v1/chat/completions` and `/v1/completions`, checked before routing.
+
+Every request is validated here, whichever backend kind the route picks, so a bad request gets the same
+400 everywhere and nothing reaches a backend. Only the shape is checked: the request is then passed on
+exactly as the client sent it (the models below are thrown away). Unknown top-level fields pass through
+(providers add fields all the time); every known field is checked for its type and range. The 400's
+`param` is the field's path, e.g. `messages[1].content` or `tools[0].function.name`.
+
+Pydantic runs in strict mode (no "1" → 1 coercion; a bool is not a number). Unions are tagged by callable
+discriminators whose tags start with "~", so one bad value gives one error, not one per union member,
+and the tags are dropped from the path.
+"""
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    Tag,
+    ValidationError,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from gateway import errors
+from openai_wire import APIError
+
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+METADATA_MAX_PAIRS, METADATA_MAX_KEY, METADATA_MAX_VALUE = 16, 64, 512
+REFERENCE_KEY = "reference"  # the gateway's own metadata key (gateway/shadow/reference.py): not capped, never sent on
+_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+
+Number = StrictFloat  # strict: an int is a number too, a bool or a string is not
+
+
+class _Open(BaseModel):
+    """Unknown fields are allowed (and ignored: the client's body is forwarded as sent)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+def _fail(kind: str, message: str, **ctx: Any) -> PydanticCustomError:
+    return PydanticCustomError(kind, message, ctx or None)
+
+
+# ---------------------------------------------------------------- content parts
+
+
+class _ImageURL(_Open):
+    url: StrictStr
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class _InputAudio(_Open):
+    data: StrictStr
+    format: StrictStr
+
+
+class _File(_Open):
+    file_id: StrictStr | None = None
+    file_data: StrictStr | None = None
+    filename: StrictStr | None = None
+
+
+class _TextPart(_Open):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class _ImagePart(_Open):
+    type: Literal["image_url"]
+    image_url: _ImageURL
+
+
+class _AudioPart(_Open):
+    type: Literal["input_audio"]
+    input_audio: _InputAudio
+
+
+class _FilePart(_Open):
+    type: Literal["file"]
+    file: _File
+
+
+class _RefusalPart(_Open):
+    type: Literal["refusal"]
+    refusal: StrictStr
+
+
+def _part_tag(allowed: tuple[str, ...]):
+    def tag(value: Any) -> str | None:
+        kind = value.get("type") if isinstance(value, dict) else None
+        return "~" + kind if kind in allowed else None
+    return tag
+
+
+def _parts(*parts: tuple[str, type]) -> Any:
+    names = tuple(name for name, _ in parts)
+    listed = ", ".join(names[:-1]) + (" or " if len(names) > 1 else "") + names[-1]
+    return Annotated[
+        _union(*(Annotated[model, Tag("~" + name)] for name, model in parts)),
+        Discriminator(_part_tag(names), custom_error_type="invalid_content_part",
+                      custom_error_message=f"must be a content part object with a 'type' of {listed}"),
+    ]
+
+
+def _union(*members: Any) -> Any:
+    from typing import Union
+
+    return Union[tuple(members)]  # noqa: UP007 — built at run time
+
+
+def _content_tag(value: Any) -> str | None:
+    if isinstance(value, str):
+        return "~text"
+    if isinstance(value, list):
+        return "~parts"
+    return None
+
+
+def _content(part: Any) -> Any:
+    return Annotated[
+        _union(Annotated[StrictStr, Tag("~text")], Annotated[list[part], Tag("~parts")]),
+        Discriminator(_content_tag, custom_error_type="invalid_content",
+                      custom_error_message="must be a string or an array of content parts"),
+    ]
+
+
+_TEXT = ("text", _TextPart)
+TextContent = _content(_parts(_TEXT))
+UserContent = _content(_parts(_TEXT, ("image_url", _ImagePart), ("input_audio", _AudioPart), ("file", _FilePart)))
+AssistantContent = _content(_parts(_TEXT, ("refusal", _RefusalPart)))
+
+
+# ---------------------------------------------------------------- messages
+
+
+class _FunctionCall(_Open):
+    name: StrictStr
+    arguments: StrictStr
+
+
+class _ToolCall(_Open):
+    id: StrictStr
+    type: Literal["function"]
+    function: _FunctionCall
+
+
+class _SystemMessage(_Open):
+    role: Literal["system", "developer"]
+    content: TextContent
+    name: StrictStr | None = None
+
+
+class _UserMessage(_Open):
+    role: Literal["user"]
+    content: UserContent
+    name: StrictStr | None = None
+
+
+class _AssistantMessage(_Open):
+    role: Literal["assistant"]
+    content: AssistantContent | None = None
+    refusal: StrictStr | None = None
+    name: StrictStr | None = None
+    tool_calls: list[_ToolCall] | None = None
+    function_call: _FunctionCall | None = None
+    audio: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _needs_content_or_calls(self) -> _AssistantMessage:
+        if self.content is None and not self.tool_calls and self.function_call is None and self.audio is None:
+            raise _fail("missing_content", "is required in an assistant message without 'tool_calls'",
+                        field="content")
+        return self
+
+
+class _ToolMessage(_Open):
+    role: Literal["tool"]
+    content: TextContent
+    tool_call_id: StrictStr
+
+
+class _FunctionMessage(_Open):
+    role: Literal["function"]
+    content: StrictStr | None
+    name: StrictStr
+
+
+def _role_tag(value: Any) -> str | None:
+    role = value.get("role") if isinstance(value, dict) else None
+    if role in ("system", "developer"):
+        return "~system"
+    return "~" + role if role in ROLES else None
+
+
+Message = Annotated[
+    _union(Annotated[_SystemMessage, Tag("~system")], Annotated[_UserMessage, Tag("~user")],
+           Annotated[_AssistantMessage, Tag("~assistant")], Annotated[_ToolMessage, Tag("~tool")],
+           Annotated[_FunctionMessage, Tag("~function")]),
+    Discriminator(_role_tag, custom_error_type="invalid_message",
+                  custom_error_message="must be a message object with a 'role' of " + ", ".join(ROLES[:-1])
+                  + " or " + ROLES[-1]),
+]
+
+
+# ---------------------------------------------------------------- tools and formats
+
+
+def _function_name(value: str) -> str:
+    if not _NAME.match(value):
+        raise _fail("invalid_name", "must be 1 to 64 characters of a-z, A-Z, 0-9, '_' and '-'")
+    return value
+
+
+FunctionName = Annotated[StrictStr, AfterValidator(_function_name)]
+
+
+class _FunctionDef(_Open):
+    name: FunctionName
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class _Tool(_Open):
+    type: Literal["function"]
+    function: _FunctionDef
+
+
+class _NamedFunction(_Open):
+    name: StrictStr
+
+
+class _NamedToolChoice(_Open):
+    type: Literal["function"]
+    function: _NamedFunction
+
+
+def _choice_tag(value: Any) -> str | None:
+    if isinstance(value, str):
+        return "~mode"
+    if isinstance(value, dict):
+        return "~named"
+    return None
+
+
+ToolChoice = Annotated[
+    _union(Annotated[Literal["none", "auto", "required"], Tag("~mode")], Annotated[_NamedToolChoice, Tag("~named")]),
+    Discriminator(_choice_tag, custom_error_type="invalid_tool_choice",
+                  custom_error_message="must be 'none', 'auto', 'required' or "
+                                       "{\"type\": \"function\", \"function\": {\"name\": …}}"),
+]
+FunctionCallChoice = Annotated[
+    _union(Annotated[Literal["none", "auto"], Tag("~mode")], Annotated[_NamedFunction, Tag("~named")]),
+    Discriminator(_choice_tag, custom_error_type="invalid_function_call",
+                  custom_error_message="must be 'none', 'auto' or {\"name\": …}"),
+]
+
+
+class _JSONSchema(_Open):
+    name: FunctionName
+    description: StrictStr | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class _TextFormat(_Open):
+    type: Literal["text"]
+
+
+class _JSONObjectFormat(_Open):
+    type: Literal["json_object"]
+
+
+class _JSONSchemaFormat(_Open):
+    type: Literal["json_schema"]
+    json_schema: _JSONSchema
+
+
+_FORMATS = ("text", "json_object", "json_schema")
+ResponseFormat = Annotated[
+    _union(Annotated[_TextFormat, Tag("~text")], Annotated[_JSONObjectFormat, Tag("~json_object")],
+           Annotated[_JSONSchemaFormat, Tag("~json_schema")]),
+    Discriminator(_part_tag(_FORMATS), custom_error_type="invalid_response_format",
+                  custom_error_message="must be an object with a 'type' of text, json_object or json_schema"),
+]
+
+
+class _StreamOptions(_Open):
+    include_usage: StrictBool | None = None
+    include_obfuscation: StrictBool | None = None
+
+
+# ---------------------------------------------------------------- field checks
+
+
+def _stop(value: Any) -> Any:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list) and len(value) <= 4 and all(isinstance(s, str) for s in value):
+        return value
+    raise _fail("invalid_stop", "must be a string or an array of at most 4 strings")
+
+
+def _metadata(value: Any) -> Any:
+    if value is None:
+        return value
+    if not isinstance(value, dict):
+        raise _fail("invalid_metadata", "must be an object of string keys and string values")
+    pairs = {k: v for k, v in value.items() if k != REFERENCE_KEY}
+    if REFERENCE_KEY in value and not isinstance(value[REFERENCE_KEY], str):
+        raise _fail("invalid_metadata", f"'{REFERENCE_KEY}' must be a string")
+    if len(pairs) > METADATA_MAX_PAIRS:
+        raise _fail("invalid_metadata", f"must have at most {METADATA_MAX_PAIRS} key-value pairs")
+    for key, item in pairs.items():
+        if len(key) > METADATA_MAX_KEY:
+            raise _fail("invalid_metadata", f"keys must be at most {METADATA_MAX_KEY} characters")
+        if not isinstance(item, str) or len(item) > METADATA_MAX_VALUE:
+            raise _fail("invalid_metadata", f"values must be strings of at most {METADATA_MAX_VALUE} characters")
+    return value
+
+
+def _logit_bias(value: Any) -> Any:
+    if value is None:
+        return value
+    if not isinstance(value, dict):
+        raise _fail("invalid_logit_bias", "must be an object mapping token ids to numbers from -100 to 100")
+    for key, bias in value.items():
+        if not key.isdigit():
+            raise _fail("invalid_logit_bias", "keys must be token ids (strings of digits)")
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
+            raise _fail("invalid_logit_bias", "values must be numbers from -100 to 100")
+    return value
+
+
+def _prompt(value: Any) -> Any:
+    if isinstance(value, str) and value:
+        return value
+    if isinstance(value, list) and value:
+        if all(isinstance(p, str) for p in value):
+            return value
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+            return value
+        if all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+               for p in value):
+            return value
+    raise _fail("invalid_prompt", "must be a non-empty string, array of strings, array of token ids, "
+                                  "or array of token-id arrays")
+
+
+Stop = Annotated[Any, AfterValidator(_stop)]
+Metadata = Annotated[Any, AfterValidator(_metadata)]
+LogitBias = Annotated[Any, AfterValidator(_logit_bias)]
+Temperature = Annotated[Number, Field(ge=0, le=2)]
+Penalty = Annotated[Number, Field(ge=-2, le=2)]
+PositiveInt = Annotated[StrictInt, Field(ge=1)]
+
+
+class _Common(_Open):
+    model: Annotated[StrictStr, Field(min_length=1)]
+    stream: StrictBool | None = None
+    stream_options: _StreamOptions | None = None
+    temperature: Temperature | None = None
+    top_p: Annotated[Number, Field(ge=0, le=1)] | None = None
+    n: Annotated[StrictInt, Field(ge=1, le=128)] | None = None
+    max_tokens: PositiveInt | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    stop: Stop = None
+    seed: StrictInt | None = None
+    user: StrictStr | None = None
+    logit_bias: LogitBias = None
+    metadata: Metadata = None
+    service_tier: StrictStr | None = None
+
+
+class ChatRequest(_Common):
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
+    response_format: ResponseFormat | None = None
+    tools: Annotated[list[_Tool], Field(max_length=128)] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
+    functions: list[_FunctionDef] | None = None
+    function_call: FunctionCallChoice | None = None
+    store: StrictBool | None = None
+    reasoning_effort: StrictStr | None = None
+    modalities: list[StrictStr] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> ChatRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise _fail("invalid_top_logprobs", "requires 'logprobs': true", field="top_logprobs")
+        choice = self.tool_choice
+        if isinstance(choice, _NamedToolChoice) or choice == "required":
+            if not self.tools:
+                raise _fail("invalid_tool_choice", "needs 'tools' to choose from", field="tool_choice")
+            if isinstance(choice, _NamedToolChoice) and choice.function.name not in {
+                    t.function.name for t in self.tools}:
+                raise _fail("invalid_tool_choice", "names a function that is not in 'tools'",
+                            field="tool_choice.function.name")
+        return self
+
+
+class CompletionRequest(_Common):
+    prompt: Annotated[Any, AfterValidator(_prompt)]
+    logprobs: Annotated[StrictInt, Field(ge=0, le=5)] | None = None
+    echo: StrictBool | None = None
+    best_of: PositiveInt | None = None
+    suffix: StrictStr | None = None
+
+
+_MODELS: dict[str, type[_Common]] = {"chat": ChatRequest, "completions": CompletionRequest}
+
+
+# ---------------------------------------------------------------- errors in our words
+
+_PLAIN = {
+    "missing": "is required",
+    "string_type": "must be a string",
+    "int_type": "must be an integer",
+    "bool_type": "must be a boolean",
+    "float_type": "must be a number",
+    "dict_type": "must be an object",
+    "model_type": "must be an object",
+    "model_attributes_type": "must be an object",
+    "list_type": "must be an array",
+}
+
+
+def field_path(loc: tuple[Any, ...]) -> str:
+    """pydantic's loc as the client's field path: ('messages', 1, '~user', 'content') → messages[1].content."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif isinstance(part, str) and not part.startswith("~"):
+            path += f".{part}" if path else part
+    return path
+
+
+def to_api_error(exc: ValidationError) -> APIError:
+    err = exc.errors(include_url=False)[0]
+    path = field_path(tuple(err["loc"]))
+    ctx = err.get("ctx") or {}
+    if ctx.get("field"):
+        path = f"{path}.{ctx['field']}" if path else ctx["field"]
+    kind = err["type"]
+    if kind in _PLAIN:
+        detail = _PLAIN[kind]
+    elif kind == "literal_error":
+        detail = "must be " + str(ctx.get("expected", "one of the allowed values"))
+    elif kind in ("greater_than_equal", "less_than_equal", "greater_than", "less_than"):
+        detail = err["msg"].replace("Input should be", "must be")
+    elif kind == "too_short":
+        detail = "must not be empty"
+    elif kind == "too_long":
+        detail = f"must have at most {ctx.get('max_length')} items"
+    else:
+        detail = err["msg"].replace("Input should be", "must be")
+    name = path or "body"
+    return errors.invalid_request(f"Invalid request: '{name}' {detail}.", param=path or None)
+
+
+def check(body: dict, endpoint: str) -> None:
+    """Raise the 400 (APIError) for the first field that breaks OpenAI's request schema."""
+    try:
+        _MODELS[endpoint].model_validate(body)
+    except ValidationError as exc:
+        raise to_api_error(exc) from None
