@@ -18,6 +18,7 @@ from hosted.sampling_params import SamplingParams
 from hosted.scheduler import Scheduler
 from hosted.sequence import Sequence
 from hosted.spec.decoder import Sampled, SpecDecoder, plain_samples
+from hosted.structured import GrammarMasks, new_matcher
 
 __all__ = ["EngineConfig", "EngineStats", "LLMEngine", "SamplingParams", "StepOutput", "TokenLogprob"]
 
@@ -79,6 +80,8 @@ class LLMEngine:
         self.sampler = Sampler(self.device)
         self.spec = (SpecDecoder(config, self.model_config, self.runner, self.max_model_len)
                      if config.spec_method is not None else None)
+        # Constrained decoding (hosted/structured.py): per-sequence grammar matchers, masks filled during the forward.
+        self.masks = GrammarMasks(self.model_config.vocab_size)
         self._seqs: dict[str, Sequence] = {}
         self._aborted: list[StepOutput] = []
         self._arrivals = 0
@@ -125,6 +128,8 @@ class LLMEngine:
         seq = Sequence(request_id=request_id, token_ids=list(prompt_token_ids),
                        num_prompt_tokens=len(prompt_token_ids), params=params, arrival=self._arrivals)
         self._arrivals += 1
+        if params.grammar is not None:
+            seq.matcher = new_matcher(params.grammar)
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         self._seqs[request_id] = seq
@@ -158,8 +163,11 @@ class LLMEngine:
         if batch.empty:
             return outputs
         t0 = time.perf_counter()
+        constrained = self._start_masks(batch)
         with torch.inference_mode():
             logits, sample_seqs = self.runner.execute(batch)
+            if constrained:
+                self.masks.apply(logits)  # waits for the bitmasks filled while the forward ran
             if not sample_seqs:
                 sampled: list[Sampled] = []
             elif spec is not None:
@@ -203,9 +211,30 @@ class LLMEngine:
             del self._seqs[seq.request_id]
         return outputs
 
+    def _start_masks(self, batch) -> bool:
+        """Start filling the next-token bitmasks of the constrained sequences that sample this step (their logit
+        rows as ModelRunner.execute lays them out); False, and nothing started, when there are none."""
+        rows, matchers, row = [], [], 0
+        for seq, n in batch.items:
+            end = seq.num_computed_tokens + n
+            if end < seq.num_tokens:
+                continue  # a partial prefill chunk: no logits row
+            if seq.matcher is not None:
+                rows.append(row)
+                matchers.append(seq.matcher)
+            row += 1 + max(end - seq.num_tokens, 0)
+        if not rows:
+            return False
+        self.masks.start(rows, matchers)
+        return True
+
     def _append(self, seq: Sequence, tokens: list[int]) -> tuple[int, str | None]:
         """Append tokens up to the first that ends the request; returns (how many, finish reason or None)."""
         for i, token in enumerate(tokens):
+            if seq.matcher is not None and not seq.matcher.accept_token(token):
+                # Cannot happen with the mask applied; never emit a token the grammar rejects.
+                log.error("request %s: the grammar rejected token %d; ending it", seq.request_id, token)
+                return i, "length"
             seq.token_ids.append(token)
             reason = self._finish_reason(seq, token)
             if reason is not None:
@@ -216,6 +245,8 @@ class LLMEngine:
         p = seq.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             return "stop"
+        if seq.matcher is not None and seq.matcher.is_terminated():
+            return "stop"  # the grammar is complete (it ends on a stop token)
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None

@@ -97,13 +97,74 @@ class ChatMessage(BaseModel):
         return data
 
 
+_NAME = r"^[A-Za-z0-9_\-]{1,64}$"  # OpenAI's rule for function and json_schema names
+
+
+class JSONSchemaSpec(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(pattern=_NAME)
+    description: str | None = None
+    # `schema` shadows a BaseModel attribute in pydantic, hence the alias.
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's text / json_object / json_schema (one model rather than a tagged union, so that a 400 names the
+    field as the client wrote it; request_plan checks that json_schema comes with its type)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaSpec | None = None
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(pattern=_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    response_format: ResponseFormat | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    @property
+    def tool_choice_name(self) -> str | None:
+        """"none" / "auto" / "required", or the forced function's name; None when tools are absent."""
+        if not self.tools:
+            return None
+        choice = self.tool_choice
+        if choice is None:
+            return "auto"
+        return choice if isinstance(choice, str) else choice.function.name
+
+    def tool_dicts(self) -> list[dict[str, Any]]:
+        return [t.model_dump(exclude_none=True) for t in self.tools or []]
     add_generation_prompt: bool = True  # extension
     chat_template_kwargs: dict[str, Any] | None = None  # extension
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from hosted.generation import Event, Generation
 from hosted.server_state import ServerState
+from hosted.tool_calls import ToolCallParser
 from openai_wire import SSE_DONE, sse_event
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf; OpenAI clamps the same way
@@ -60,8 +61,17 @@ def final_body(state: ServerState, gen: Generation) -> dict[str, Any]:
         if plan.kind == "chat":
             if plan.logprobs:
                 lp = chat_logprobs(state, c.logprobs)
-            choices.append({"index": c.index, "message": {"role": "assistant", "content": text},
-                            "logprobs": lp, "finish_reason": c.finish_reason})
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            finish = c.finish_reason
+            if plan.tools:
+                parser = ToolCallParser()
+                parser.feed(text)
+                parser.finish()
+                if parser.calls:
+                    message = {"role": "assistant", "content": parser.content,
+                               "tool_calls": [call.openai() for call in parser.calls]}
+                    finish = _tool_finish(finish)
+            choices.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish})
         else:
             if plan.logprobs:
                 lp, _ = completion_logprobs(state, c.logprobs, len(c.job.echo_text))
@@ -88,6 +98,7 @@ class ChunkWriter:
         self.created = int(time.time())
         self.object = "chat.completion.chunk" if self.plan.kind == "chat" else "text_completion"
         self.offsets = {c.index: len(c.job.echo_text) for c in gen.choices}
+        self.parsers = {c.index: ToolCallParser() for c in gen.choices} if self.plan.tools else {}
 
     def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
         body: dict[str, Any] = {"id": self.plan.request_id, "object": self.object, "created": self.created,
@@ -104,7 +115,35 @@ class ChunkWriter:
         return [self.chunk([{"index": c.index, "text": c.job.echo_text, "logprobs": None, "finish_reason": None}])
                 for c in self.gen.choices if c.job.echo_text]
 
+    def _tool_event(self, ev: Event, last: bool) -> list[bytes]:
+        """A chat event with tools: content and `delta.tool_calls` chunks, as OpenAI streams them."""
+        c = ev.choice
+        parser = self.parsers[c.index]
+        deltas = [parser.feed(ev.text)] if ev.text else []
+        if ev.finish_reason is not None:
+            deltas.append(parser.finish())
+        lp = chat_logprobs(self.state, ev.logprobs) if self.plan.logprobs and ev.logprobs else None
+        pieces: list[dict[str, Any]] = []
+        for d in deltas:
+            if d.content:
+                pieces.append({"content": d.content})
+            pieces.extend({"tool_calls": [tc]} for tc in d.tool_calls)
+        if lp is not None and not pieces:
+            pieces.append({})
+        out = []
+        for i, delta in enumerate(pieces):
+            out.append(self.chunk([{"index": c.index, "delta": delta, "logprobs": lp if i == 0 else None,
+                                    "finish_reason": None}]))
+        if ev.finish_reason is not None:
+            extra = {"switchyard": self.gen.extension()} if last and not self.plan.include_usage else {}
+            finish = _tool_finish(ev.finish_reason) if parser.calls else ev.finish_reason
+            out.append(self.chunk([{"index": c.index, "delta": {}, "logprobs": None, "finish_reason": finish}],
+                                  **extra))
+        return out
+
     def event(self, ev: Event, last: bool) -> list[bytes]:
+        if self.parsers:
+            return self._tool_event(ev, last)
         out = []
         c = ev.choice
         if ev.text or ev.logprobs:
@@ -135,3 +174,8 @@ class ChunkWriter:
             out.append(sse_event(dumps(body)))
         out.append(SSE_DONE)
         return out
+
+
+def _tool_finish(reason: str | None) -> str | None:
+    """A choice that made tool calls and ended on its own ends with "tool_calls"; one cut short keeps "length"."""
+    return "tool_calls" if reason == "stop" else reason

@@ -2,12 +2,18 @@
 of every engine sequence it asks for, or a 400 naming what is wrong."""
 from __future__ import annotations
 
+import dataclasses
+import threading
 import uuid
+import weakref
 from dataclasses import dataclass
+from typing import Any
 
+from hosted import tool_calls
 from hosted.async_llm_engine import AsyncLLMEngine
 from hosted.openai_protocol import ChatCompletionRequest, CompletionRequest
 from hosted.sampling_params import SamplingParams
+from hosted.structured import GrammarCompiler, SchemaError, check_schema
 from hosted.tokenizer import ChatTemplateError, Tokenizer
 from openai_wire import APIError
 
@@ -33,6 +39,7 @@ class Plan:
     top_logprobs: int
     stream: bool
     include_usage: bool
+    tools: bool = False  # parse the output into tool_calls (hosted/tool_calls.py)
 
 
 def plan_request(kind: str, req: ChatCompletionRequest | CompletionRequest, tokenizer: Tokenizer,
@@ -93,14 +100,120 @@ def build_sampling_params(req: ChatCompletionRequest | CompletionRequest, max_to
     return params
 
 
+# ---------------------------------------------------------------------------------------------- size
+# A token stands for at most `tokenizer.max_token_bytes` bytes of text; the factor covers normalizers that shrink
+# text. A prompt longer than this many bytes per allowed token cannot fit and is refused without tokenizing it.
+_BYTES_SLACK = 4
+
+
+def check_text_size(nbytes: int, tokenizer: Tokenizer, engine: AsyncLLMEngine, param: str) -> None:
+    limit = engine.max_request_tokens * tokenizer.max_token_bytes * _BYTES_SLACK
+    if nbytes > limit:
+        raise APIError(400, f"the prompt is {nbytes} bytes long: far more than the {engine.max_request_tokens} "
+                            f"tokens one request can hold on this engine (context length {engine.max_model_len}); "
+                            f"shorten it", param=param, code="context_length_exceeded")
+
+
+# ---------------------------------------------------------------------------------------------- grammars
+_COMPILERS: weakref.WeakKeyDictionary[Tokenizer, GrammarCompiler] = weakref.WeakKeyDictionary()
+_COMPILERS_LOCK = threading.Lock()
+
+
+def grammar_compiler(tokenizer: Tokenizer, engine: AsyncLLMEngine) -> GrammarCompiler:
+    """The (cached) xgrammar compiler for this tokenizer and the engine's logits width."""
+    with _COMPILERS_LOCK:
+        compiler = _COMPILERS.get(tokenizer)
+        if compiler is None:
+            stops = list(engine.engine.eos_token_ids) + list(tokenizer.eos_token_ids)
+            compiler = GrammarCompiler(tokenizer, engine.engine.model_config.vocab_size, stops)
+            _COMPILERS[tokenizer] = compiler
+        return compiler
+
+
+def _response_schema(req: ChatCompletionRequest) -> Any:
+    """The JSON schema response_format asks for, or None for free text."""
+    rf = req.response_format
+    if rf is None or rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        return {"type": "object"}
+    if rf.json_schema is None:
+        raise APIError(400, "response_format of type json_schema needs response_format.json_schema",
+                       param="response_format.json_schema", code="missing_required_parameter")
+    schema = rf.json_schema.schema_
+    if schema is None:
+        raise APIError(400, "response_format.json_schema.schema is required", param="response_format.json_schema.schema",
+                       code="missing_required_parameter")
+    if schema is True:
+        return {}
+    if schema is False:
+        raise APIError(400, "response_format.json_schema.schema is false: no output can match it",
+                       param="response_format.json_schema.schema", code="invalid_value")
+    _check(schema, "response_format.json_schema.schema")
+    return schema
+
+
+def _check(schema: Any, param: str) -> None:
+    try:
+        check_schema(schema, param)
+    except SchemaError as exc:
+        raise APIError(400, f"invalid schema: {exc}", param=param, code="invalid_value") from None
+
+
+def _tools(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]] | None, str | None]:
+    """(the tool definitions the prompt and grammar use, tool choice) or a 400."""
+    if req.tool_choice is not None and not req.tools:
+        raise APIError(400, "tool_choice is only allowed when tools are given", param="tool_choice",
+                       code="invalid_value")
+    choice = req.tool_choice_name
+    if choice is None or choice == "none":
+        return None, choice
+    tools = req.tool_dicts()
+    names = [t["function"]["name"] for t in tools]
+    if len(set(names)) != len(names):
+        raise APIError(400, "tools holds two functions with the same name", param="tools", code="invalid_value")
+    if choice not in ("auto", "required") and choice not in names:
+        raise APIError(400, f"tool_choice names the function {choice!r}, which is not among the tools",
+                       param="tool_choice.function.name", code="invalid_value")
+    for i, tool in enumerate(tools):
+        params = tool["function"].get("parameters")
+        param = f"tools.{i}.function.parameters"
+        if params is not None:
+            if params.get("type", "object") != "object":
+                raise APIError(400, "a function's parameters must be a JSON schema of type 'object'", param=param,
+                               code="invalid_value")
+            _check(params, param)
+    return tools, choice
+
+
+def _chat_grammar(req: ChatCompletionRequest, tools: list[dict[str, Any]] | None, choice: str | None,
+                  tokenizer: Tokenizer, engine: AsyncLLMEngine) -> Any:
+    schema = _response_schema(req)
+    if tools is None and schema is None:
+        return None
+    compiler = grammar_compiler(tokenizer, engine)
+    try:
+        if tools is None:
+            return compiler.json_schema(schema)
+        text = None
+        if schema is not None:
+            text = {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}
+        parallel = req.parallel_tool_calls is True  # default one call: small models otherwise repeat calls
+        return compiler.structural_tag(tool_calls.tool_format(tools, choice, parallel, text))
+    except SchemaError as exc:
+        param = "tools" if tools is not None and schema is None else "response_format.json_schema.schema"
+        raise APIError(400, f"invalid schema: {exc}", param=param, code="invalid_value") from None
+
+
 # ---------------------------------------------------------------------------------------------- chat
 def plan_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, engine: AsyncLLMEngine) -> Plan:
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs", code="invalid_value")
-    if req.tool_choice not in (None, "none", "auto"):
-        raise APIError(400, "this engine renders tools into the prompt but does not force tool calls; "
-                            "tool_choice must be 'auto' or 'none'", param="tool_choice", code="invalid_value")
-    ids = _chat_prompt_ids(req, tokenizer)
+    tools, choice = _tools(req)
+    nbytes = sum(len(m.content.encode()) if isinstance(m.content, str) else
+                 sum(len(p.text.encode()) for p in m.content or []) for m in req.messages)
+    check_text_size(nbytes, tokenizer, engine, "messages")
+    ids = _chat_prompt_ids(req, tokenizer, tools, choice)
     max_tokens = req.max_output_tokens
     if max_tokens is None:
         max_tokens = engine.max_request_tokens - len(ids)  # all the room left (max_request_tokens <= context)
@@ -111,16 +224,23 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, engine: AsyncLLM
     _check_length(len(ids), max_tokens, engine, "messages")
     top = int(req.top_logprobs or 0)
     params = build_sampling_params(req, max_tokens, tokenizer, engine, req.logprobs, top)
+    grammar = _chat_grammar(req, tools, choice, tokenizer, engine)
+    if grammar is not None:
+        params = dataclasses.replace(params, grammar=grammar, stop_token_ids=list(params.stop_token_ids))
     return Plan("chat", f"chatcmpl-{uuid.uuid4().hex}", [PromptJob(ids, params, [])], req.n, req.stop_list,
-                req.logprobs, top, req.stream, req.include_usage)
+                req.logprobs, top, req.stream, req.include_usage, tools=tools is not None)
 
 
-def _chat_prompt_ids(req: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
-    """The conversation rendered through the chat template, as token ids."""
+def _chat_prompt_ids(req: ChatCompletionRequest, tokenizer: Tokenizer, tools: list[dict[str, Any]] | None,
+                     choice: str | None) -> list[int]:
+    """The conversation rendered through the chat template (tools as hosted/tool_calls.py describes), as ids."""
     messages = [m.template_dict() for m in req.messages]
     try:
+        native = tool_calls.template_supports_tools(tokenizer.chat_template_source(tools))
+        if tools is not None or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
+            messages = tool_calls.prepare_messages(messages, tools, choice, native)
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
-                                             tools=req.tools, **(req.chat_template_kwargs or {}))
+                                             tools=tools if native else None, **(req.chat_template_kwargs or {}))
     except ChatTemplateError as exc:
         raise APIError(400, str(exc), param="messages", code="invalid_value") from None
     ids = tokenizer.encode(text, add_special_tokens=False)
@@ -142,6 +262,8 @@ def plan_completion(req: CompletionRequest, tokenizer: Tokenizer, engine: AsyncL
     jobs = []
     for i, prompt in enumerate(prompts):
         param = "prompt" if len(prompts) == 1 else f"prompt.{i}"
+        if isinstance(prompt, str):
+            check_text_size(len(prompt.encode()), tokenizer, engine, param)
         ids, echo_text = _completion_prompt(req, prompt, param, tokenizer, engine.engine.model_config.vocab_size)
         _check_length(len(ids), max_tokens, engine, param)
         jobs.append(PromptJob(ids, params, ids, echo_text if req.echo else ""))

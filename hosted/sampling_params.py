@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_TOP_LOGPROBS = 20
 
@@ -19,6 +20,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False  # logprobs of the raw model distribution (before penalties/temperature)
     top_logprobs: int = 0  # 0..20
+    # A compiled xgrammar grammar (hosted/structured.py) every generated token must follow; None = free text.
+    # Shared by the request's sequences; each gets its own matcher.
+    grammar: Any = None
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the first bad field."""

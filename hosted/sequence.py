@@ -51,6 +51,8 @@ class Sequence:
     spec_proposed: int = 0
     spec_accepted: int = 0
     spec_state: Any = None
+    # Constrained decoding: this sequence's xgrammar GrammarMatcher (params.grammar), fed every generated token.
+    matcher: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -151,8 +151,16 @@ async def _serve(request: Request, kind: str) -> Response:
 
 async def _plan(request: Request, kind: str, state: ServerState, tokenizer: Tokenizer,
                 engine: AsyncLLMEngine) -> Plan:
+    # Parsing, the chat template, tokenizing and compiling a grammar run on a worker thread: a huge or costly
+    # request never stalls the event loop (other requests, /metrics). Over-long prompts are refused there,
+    # before anything is queued (request_plan.check_text_size bounds them before they are even tokenized).
+    body = await request.body()
+    return await asyncio.to_thread(_plan_body, body, kind, state, tokenizer, engine)
+
+
+def _plan_body(body: bytes, kind: str, state: ServerState, tokenizer: Tokenizer, engine: AsyncLLMEngine) -> Plan:
     try:
-        payload = json.loads(await request.body())
+        payload = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}") from None
     req = parse_request(_REQUEST_MODELS[kind], payload)

@@ -287,6 +287,15 @@ class Tokenizer:
         # SentencePiece-style vocabularies mark a leading space with U+2581.
         return piece.replace("\u2581", " ").encode("utf-8")
 
+    @property
+    def max_token_bytes(self) -> int:
+        """The most bytes of text one token stands for (computed once): a bound on how few tokens a text needs."""
+        cached = getattr(self, "_max_token_bytes", None)
+        if cached is None:
+            cached = max((len(self.token_bytes(i)) for i in range(self.vocab_size)), default=1)
+            self._max_token_bytes = cached = max(cached, 1)
+        return cached
+
     def token_text(self, token_id: int) -> str:
         """A single token as text for logprobs (U+FFFD where it holds part of a UTF-8 character)."""
         return self.token_bytes(token_id).decode("utf-8", errors="replace")

@@ -102,7 +102,8 @@ class SpecDecoder:
             seq.spec_draft_probs = None
         self._pending = []
         self._step += 1
-        decodes = [s for s in scheduler.running if s.num_uncomputed == 1]
+        # Constrained sequences (a grammar matcher) get no drafts: every token they emit is masked by the grammar.
+        decodes = [s for s in scheduler.running if s.num_uncomputed == 1 and s.matcher is None]
         if self.adaptive and not self.backoff.ready(len(decodes)):
             self.propose_seconds = time.perf_counter() - t0
             return
