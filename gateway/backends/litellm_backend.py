@@ -137,6 +137,8 @@ def to_openai_dict(obj: Any) -> dict:
     for choice in d.get("choices") or ():
         for k in _EXTRA_CHOICE:
             choice.pop(k, None)
+        if "text" in choice and choice["text"] is None:
+            choice["text"] = ""  # litellm ends a completions stream with text null; OpenAI sends ""
         for inner in ("message", "delta"):
             part = choice.get(inner)
             if isinstance(part, dict):
