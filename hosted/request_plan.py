@@ -44,9 +44,41 @@ class Plan:
 
 def plan_request(kind: str, req: ChatCompletionRequest | CompletionRequest, tokenizer: Tokenizer,
                  engine: AsyncLLMEngine) -> Plan:
+    reject_unsupported(req)
     if kind == "chat":
         return plan_chat(req, tokenizer, engine)  # type: ignore[arg-type]
     return plan_completion(req, tokenizer, engine)  # type: ignore[arg-type]
+
+
+# OpenAI request fields the engine takes without acting on them, when they ask for nothing it cannot do:
+# `metadata` and `user` describe the request (the gateway logs them), and these values change nothing.
+_ACCEPTED_AS_IS: dict[str, Any] = {"metadata": None, "user": None, "store": (None, False),
+                                   "service_tier": (None, "auto", "default"), "modalities": (None, ["text"]),
+                                   "logit_bias": (None, {}), "reasoning_effort": (None,)}
+# Fields it cannot honour, and what to do instead.
+_UNSUPPORTED = {
+    "functions": "use `tools` (the legacy `functions` are not supported)",
+    "function_call": "use `tool_choice` (the legacy `function_call` is not supported)",
+    "logit_bias": "logit_bias is not supported by this engine",
+    "audio": "audio output is not supported by this engine",
+    "modalities": "only text output is supported by this engine",
+    "prediction": "predicted outputs are not supported by this engine",
+    "web_search_options": "web search is not supported by this engine",
+    "reasoning_effort": "this model does not reason: remove reasoning_effort",
+    "store": "this engine does not store completions (store must be false)",
+    "service_tier": "this engine has one service tier (auto)",
+}
+
+
+def reject_unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:
+    """Nothing is silently ignored: a field the engine does not know, or cannot honour, is a 400 naming it."""
+    for name, value in (req.model_extra or {}).items():
+        accepted = _ACCEPTED_AS_IS.get(name, ())
+        if name in _ACCEPTED_AS_IS and (accepted is None or value in accepted):
+            continue
+        hint = _UNSUPPORTED.get(name)
+        message = hint or f"unknown field {name!r}: this engine does not support it"
+        raise APIError(400, message, param=name, code="unsupported_parameter")
 
 
 def too_long(prompt_len: int, max_tokens: int, engine: AsyncLLMEngine, param: str) -> APIError | None:
