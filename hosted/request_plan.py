@@ -267,8 +267,15 @@ def _chat_prompt_ids(req: ChatCompletionRequest, tokenizer: Tokenizer, tools: li
                      choice: str | None) -> list[int]:
     """The conversation rendered through the chat template (tools as hosted/tool_calls.py describes), as ids."""
     messages = [m.template_dict() for m in req.messages]
+    for i, m in enumerate(messages):
+        if m.get("role") == "function":
+            raise APIError(400, "the legacy `function` role is not supported: send tool results as `tool` "
+                                "messages", param=f"messages.{i}.role", code="unsupported_parameter")
     try:
-        native = tool_calls.template_supports_tools(tokenizer.chat_template_source(tools))
+        source = tokenizer.chat_template_source(tools)
+        if "developer" not in (source or ""):  # OpenAI's `developer` is the system prompt of newer models
+            messages = [dict(m, role="system") if m.get("role") == "developer" else m for m in messages]
+        native = tool_calls.template_supports_tools(source)
         if tools is not None or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
             messages = tool_calls.prepare_messages(messages, tools, choice, native)
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,

@@ -43,3 +43,19 @@ def test_fields_that_ask_for_nothing_it_cannot_do_are_accepted(client) -> None:
     assert reply.usage.completion_tokens >= 1
     with pytest.raises(openai.BadRequestError, match="unknown field 'messages'"):
         client.completions.create(model="tiny", prompt="hi", max_tokens=2, extra_body={"messages": MESSAGES})
+
+
+def test_developer_is_the_system_prompt_and_the_legacy_function_role_is_refused(client) -> None:
+    def answer(role: str):
+        return client.chat.completions.create(
+            model="tiny", max_tokens=6, temperature=0, logprobs=True,
+            messages=[{"role": role, "content": "You answer tersely."}, {"role": "user", "content": "hello"}])
+
+    developer, system = answer("developer"), answer("system")
+    assert developer.usage.prompt_tokens == system.usage.prompt_tokens
+    assert [t.token for t in developer.choices[0].logprobs.content] == [
+        t.token for t in system.choices[0].logprobs.content]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", max_tokens=2, messages=[
+            {"role": "user", "content": "hi"}, {"role": "function", "name": "f", "content": "{}"}])
+    assert err.value.body["param"] == "messages.1.role" and "tool" in err.value.body["message"]
