@@ -1,7 +1,7 @@
 """Request validation and the estimates admission control needs (before any backend is called)."""
 from __future__ import annotations
 
-from gateway import errors, request_schema
+from gateway import errors, request_schema, responses_api
 from openai_wire import messages_text
 
 DEFAULT_MAX_TOKENS_ESTIMATE = 4096  # a request without max_tokens may run this long; reserve for it
@@ -25,9 +25,14 @@ def validate(body: object, endpoint: str) -> dict:
 
 def prompt_text(body: dict, endpoint: str) -> str:
     """The text the model will see, flattened (for token estimates, opt-in logging and shadow rows): each
-    message's text by `openai_wire.content_text`, or the completions prompt ("" for token ids)."""
+    message's text by `openai_wire.content_text`, the completions prompt or the embeddings input ("" for token
+    ids); a Responses request in its chat form."""
     if endpoint == "chat":
         return messages_text(body["messages"])
+    if endpoint == "responses":
+        return messages_text(responses_api.to_chat(body)["messages"])
+    if endpoint == "embeddings":
+        return completions_prompt_text(body["input"]) or ""
     return completions_prompt_text(body["prompt"]) or ""
 
 
@@ -42,15 +47,24 @@ def completions_prompt_text(prompt: object) -> str | None:
 
 def estimate_prompt_tokens(body: dict, endpoint: str) -> int:
     """A deliberately high estimate (about 3 characters a token, plus per-message overhead)."""
-    if endpoint == "completions" and isinstance(body["prompt"], list) and body["prompt"] \
-            and isinstance(body["prompt"][0], int):
-        return len(body["prompt"])
+    if endpoint in ("completions", "embeddings"):
+        ids = body["prompt" if endpoint == "completions" else "input"]
+        if isinstance(ids, list) and ids and isinstance(ids[0], int):
+            return len(ids)
+        if isinstance(ids, list) and ids and isinstance(ids[0], list):
+            return sum(len(p) for p in ids)
+    if endpoint == "responses":
+        return estimate_prompt_tokens(responses_api.to_chat(body), "chat")
     overhead = 8 * len(body["messages"]) if endpoint == "chat" else 0
     return len(prompt_text(body, endpoint)) // 3 + 1 + overhead
 
 
-def max_tokens(body: dict) -> int:
-    return body.get("max_completion_tokens") or body.get("max_tokens") or DEFAULT_MAX_TOKENS_ESTIMATE
+def max_tokens(body: dict, endpoint: str = "chat") -> int:
+    """The most output tokens the request may produce (what budgets reserve for); embeddings produce none."""
+    if endpoint == "embeddings":
+        return 0
+    return (body.get("max_completion_tokens") or body.get("max_tokens") or body.get("max_output_tokens")
+            or DEFAULT_MAX_TOKENS_ESTIMATE)
 
 
 def wants_usage_chunk(body: dict) -> bool:

@@ -161,6 +161,14 @@ async def completions(request: Request) -> Response:
     return await proxy.handle(request.app.state.services, request, "completions")
 
 
+async def embeddings(request: Request) -> Response:
+    return await proxy.handle(request.app.state.services, request, "embeddings")
+
+
+async def responses(request: Request) -> Response:
+    return await proxy.handle(request.app.state.services, request, "responses")
+
+
 async def list_models(request: Request) -> Response:
     gw: Gateway = request.app.state.gw
     try:
@@ -223,6 +231,8 @@ def create_app(config: GatewayConfig) -> Starlette:
         routes=[
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/embeddings", embeddings, methods=["POST"]),
+            Route("/v1/responses", responses, methods=["POST"]),
             Route("/v1/models", list_models, methods=["GET"]),
             Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
             Route("/health", health, methods=["GET"]),

@@ -3,13 +3,14 @@ cannot be served.
 
 A request needs `tools` (tool definitions, unless tool_choice is "none"), `json_mode` (response_format
 json_object), `structured_output` (response_format json_schema), `images` (an image_url content part), or
-a context of at least its estimated prompt size. A backend's capabilities come from the policy's
-`capabilities:` block where it says so, and are derived otherwise:
+a context of at least its estimated prompt size; a `/v1/embeddings` request needs `embeddings`. A backend's
+capabilities come from the policy's `capabilities:` block where it says so, and are derived otherwise:
 
 - litellm backends: litellm's model map (`supports_function_calling`, `supports_response_schema`,
   `supports_vision`, `max_input_tokens`, `mode`). A model the map does not know, or a field it leaves
-  out, counts as supported: the provider's own 400 then reaches the client as a client error.
-- engine backends: tools, JSON mode and structured outputs (constrained decoding); no images.
+  out, counts as supported: the provider's own 400 then reaches the client as a client error. Embeddings:
+  only models the map lists with `mode: embedding` (e.g. text-embedding-3-small; gpt-4o-mini is `chat`).
+- engine backends: tools, JSON mode and structured outputs (constrained decoding); no images, no embeddings.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from gateway import pricing
 if TYPE_CHECKING:
     from gateway.policy import BackendSpec
 
-FEATURES = ("tools", "json_mode", "structured_output", "images")
+FEATURES = ("tools", "json_mode", "structured_output", "images", "embeddings")
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +31,7 @@ class Capabilities:
     json_mode: bool = True
     structured_output: bool = True
     images: bool = True
+    embeddings: bool = True
     max_context: int | None = None  # prompt tokens the backend accepts; None: not known, not checked
 
     def missing(self, needs: frozenset[str], prompt_tokens: int | None = None) -> list[str]:
@@ -40,8 +42,11 @@ class Capabilities:
         return out
 
 
-def needs(body: dict) -> frozenset[str]:
-    """The features a chat/completions request body asks for (cheap: no tokenizing)."""
+def needs(body: dict, endpoint: str = "chat") -> frozenset[str]:
+    """The features a request body asks for (cheap: no tokenizing). /v1/responses bodies are checked in their
+    chat form (gateway/responses_api.py `to_chat`)."""
+    if endpoint == "embeddings":
+        return _EMBEDDINGS
     found = set()
     if body.get("tools") and body.get("tool_choice") != "none":
         found.add("tools")
@@ -59,6 +64,9 @@ def needs(body: dict) -> frozenset[str]:
     return frozenset(found)
 
 
+_EMBEDDINGS = frozenset({"embeddings"})
+
+
 def of(spec: BackendSpec) -> Capabilities:
     """The backend's capabilities: the policy's declarations over the derived ones (two dict lookups)."""
     base = _derived(spec)
@@ -72,12 +80,12 @@ def of(spec: BackendSpec) -> Capabilities:
 
 def _derived(spec: BackendSpec) -> Capabilities:
     if spec.kind == "engine":
-        return Capabilities(images=False)
+        return Capabilities(images=False, embeddings=False)
     info = pricing.model_info(spec.model)
     if info is None:
         return Capabilities()
     if info.get("mode") == "embedding":
-        return Capabilities(tools=False, json_mode=False, structured_output=False, images=False,
+        return Capabilities(tools=False, json_mode=False, structured_output=False, images=False, embeddings=True,
                             max_context=info.get("max_input_tokens"))
 
     def flag(key: str) -> bool:
@@ -85,4 +93,4 @@ def _derived(spec: BackendSpec) -> Capabilities:
 
     return Capabilities(tools=flag("supports_function_calling"), json_mode=flag("supports_response_schema")
                         or flag("supports_function_calling"), structured_output=flag("supports_response_schema"),
-                        images=flag("supports_vision"), max_context=info.get("max_input_tokens"))
+                        images=flag("supports_vision"), embeddings=False, max_context=info.get("max_input_tokens"))

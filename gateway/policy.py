@@ -48,6 +48,7 @@ class CapabilitySpec(_Strict):
     json_mode: bool | None = None
     structured_output: bool | None = None
     images: bool | None = None
+    embeddings: bool | None = None  # serves POST /v1/embeddings
     max_context: int | None = Field(default=None, ge=1)
 
 

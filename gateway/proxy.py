@@ -1,7 +1,9 @@
 """One OpenAI request end to end: admission, dispatch with fallbacks, streaming relay, accounting."""
 from __future__ import annotations
 
+import base64
 import logging
+import struct
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -14,7 +16,7 @@ import orjson
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from gateway import admission, errors, metrics, pricing, settings
+from gateway import admission, errors, metrics, pricing, responses_api, settings
 from gateway.backends.base import (
     BACKEND_FAULT_STATUSES,
     Backend,
@@ -127,15 +129,16 @@ async def _admit(services: Services, request: Request, endpoint: Endpoint, recor
     """Read and route the request, check its key's limits and reserve its worst-case cost (APIError if not)."""
     body = await _read_body(request, endpoint, services.max_body_bytes)
     policy = services.policy_store.current
-    route, decision = _route(services, policy, body, record)
+    route, decision = _route(services, policy, body, endpoint, record)
     prompt_tokens = admission.estimate_prompt_tokens(body, endpoint)
     services.limiter.admit(key, prompt_tokens)
-    reservation = await _reserve(services, key, policy, route, decision, body, prompt_tokens, record)
+    reservation = await _reserve(services, key, policy, route, decision, body, endpoint, prompt_tokens, record)
     if route.log_prompts:
         record.prompt_text = admission.prompt_text(body, endpoint)
+    # Shadow evaluation compares answers to chat and completions requests (embeddings have no answer to judge).
     shadow = services.shadow.ticket(request_id=record.request_id, route=route, policy=policy, body=body,
                                     endpoint=endpoint, decision=decision) \
-        if route.shadow is not None and services.shadow is not None else None
+        if route.shadow is not None and services.shadow is not None and endpoint in _SHADOWED else None
     return Call(record=record, key=key, policy=policy, route=route, body=body, endpoint=endpoint,
                 chain=decision.chain, reservation=reservation, started=started, in_flight=in_flight, shadow=shadow)
 
@@ -184,12 +187,15 @@ async def _drain(receive: Callable, limit: int) -> None:
         budget -= len(message.get("body", b""))
 
 
+_SHADOWED = frozenset({"chat", "completions"})
 _DRAIN_BYTES = 64 * 1024 * 1024  # read (and drop) at most this much of an oversized body
 _TEAM_CHARS, _STORED_CHARS, _CODE_CHARS = 128, 256, 64  # the ledger's column widths (gateway/ledger/models.py)
 
 
-def _route(services: Services, policy: Policy, body: dict, record: LedgerRecord) -> tuple[RouteSpec, Decision]:
-    """The route the requested model names, and routing's decision for this request."""
+def _route(services: Services, policy: Policy, body: dict, endpoint: Endpoint,
+           record: LedgerRecord) -> tuple[RouteSpec, Decision]:
+    """The route the requested model names, and routing's decision for this request (a Responses request is
+    scored and matched to capabilities in its chat form)."""
     record.requested_model = errors.clip(body["model"], _STORED_CHARS)
     record.policy_version = policy.version
     record.stream = bool(body.get("stream"))
@@ -197,16 +203,19 @@ def _route(services: Services, policy: Policy, body: dict, record: LedgerRecord)
     if route is None:
         raise errors.model_not_found(body["model"], list(policy.routes))
     record.route = route.name
-    decision = decide(route, body, services.models, services.load, policy)
+    if endpoint == "responses":
+        decision = decide(route, responses_api.to_chat(body), services.models, services.load, policy)
+    else:
+        decision = decide(route, body, services.models, services.load, policy, endpoint=endpoint)
     record.route_reason, record.difficulty, record.threshold = decision.reason, decision.difficulty, decision.threshold
     return route, decision
 
 
 async def _reserve(services: Services, key: KeyInfo, policy: Policy, route: RouteSpec, decision: Decision,
-                   body: dict, prompt_tokens: int, record: LedgerRecord) -> Reservation | None:
+                   body: dict, endpoint: Endpoint, prompt_tokens: int, record: LedgerRecord) -> Reservation | None:
     """Reserve the chain's worst-case cost; a key that cannot afford it may still afford `easy` alone (routing:
     `budget_downgrade`, which then narrows decision.chain to easy)."""
-    max_tokens = admission.max_tokens(body)
+    max_tokens = admission.max_tokens(body, endpoint)
     specs = [policy.backends[name] for name in decision.chain]
     try:
         return await services.budgets.reserve(key, pricing.max_cost_estimate(policy, specs, prompt_tokens, max_tokens))
@@ -254,11 +263,30 @@ async def _complete(services: Services, request: Request, call: Call) -> Respons
     call.record.ttft_ms = (time.perf_counter() - call.started) * 1000
     body = completion.body
     body.pop("switchyard", None)
-    answer = answer_text(body) if call.route.log_prompts or call.shadow is not None else None
+    if call.endpoint == "embeddings":
+        _encode_embeddings(body, call.body.get("encoding_format"))
+    answer = _answer(body, call.endpoint) if call.route.log_prompts or call.shadow is not None else None
     _finish(services, call, backend.spec, completion, answer=answer)
     response = Response(orjson.dumps(body), media_type="application/json")
     response.headers["x-switchyard-backend"] = backend.name
     return _with_id(response, call.record.request_id)
+
+
+def _answer(body: dict, endpoint: Endpoint) -> str | None:
+    if endpoint == "responses":
+        return responses_api.output_text(body)
+    return None if endpoint == "embeddings" else answer_text(body)
+
+
+def _encode_embeddings(body: dict, encoding_format: str | None) -> None:
+    """Embeddings as the client asked: base64 (little-endian float32, what the openai SDK asks for by default)
+    where the upstream answered floats."""
+    if encoding_format != "base64":
+        return
+    for item in body.get("data") or ():
+        vector = item.get("embedding")
+        if isinstance(vector, list):
+            item["embedding"] = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
 
 
 async def _stream(services: Services, request: Request, call: Call) -> Response:
@@ -304,7 +332,8 @@ class _Relay:
 
     async def body(self) -> AsyncIterator[bytes]:
         call, tally, record = self.call, self.tally, self.call.record
-        wants_usage = admission.wants_usage_chunk(call.body)
+        events = call.endpoint == "responses"  # typed events: each names itself, and no [DONE] ends them
+        wants_usage = events or admission.wants_usage_chunk(call.body)
         try:
             async for chunk in self.chunks:
                 if record.ttft_ms is None:
@@ -315,15 +344,25 @@ class _Relay:
                     del chunk["usage"]
                     if not chunk.get("choices"):
                         continue
-                if chunk.get("model") and not record.served_model:
-                    record.served_model = errors.clip(chunk["model"], _STORED_CHARS)
-                yield sse_event(orjson.dumps(chunk))
-            yield SSE_DONE
+                model = chunk.get("model") or (events and (chunk.get("response") or {}).get("model"))
+                if model and not record.served_model:
+                    record.served_model = errors.clip(model, _STORED_CHARS)
+                data = sse_event(orjson.dumps(chunk))
+                yield b"event: " + chunk["type"].encode() + b"\n" + data if events and "type" in chunk else data
+            if not events:
+                yield SSE_DONE
             self.status, self.error_type = "ok", None
         except UpstreamError as exc:
             self.status, self.error_type = "error", f"upstream_{exc.kind}"
             # Headers are gone; tell the client in-band, the way OpenAI's streams do.
-            yield sse_event(orjson.dumps(_upstream_to_api_error(exc).body()))
+            error = _upstream_to_api_error(exc)
+            if events:
+                body = error.body()["error"]
+                yield b"event: error\n" + sse_event(orjson.dumps(
+                    {"type": "error", "code": body.get("code"), "message": body.get("message"),
+                     "param": body.get("param"), "sequence_number": tally.chunks}))
+            else:
+                yield sse_event(orjson.dumps(error.body()))
         finally:
             await self.finish()  # before the response's last message: the row is queued when the client sees the end
 

@@ -1,4 +1,5 @@
-"""OpenAI's request schema for `/v1/chat/completions` and `/v1/completions`, checked before routing.
+"""OpenAI's request schema for `/v1/chat/completions`, `/v1/completions`, `/v1/embeddings` and `/v1/responses`
+(text input and output: what the gateway can serve on every backend kind), checked before routing.
 
 Every request is validated here, whichever backend kind the route picks, so a bad request gets the same
 400 everywhere and nothing reaches a backend. Only the shape is checked: the request is then passed on
@@ -425,7 +426,187 @@ class CompletionRequest(_Common):
     suffix: StrictStr | None = None
 
 
-_MODELS: dict[str, type[_Common]] = {"chat": ChatRequest, "completions": CompletionRequest}
+# ---------------------------------------------------------------- /v1/embeddings
+
+EMBEDDING_MAX_INPUTS = 2048
+
+
+def _embedding_input(value: Any) -> Any:
+    if isinstance(value, str) and value:
+        return value
+    if isinstance(value, list) and value:
+        if len(value) > EMBEDDING_MAX_INPUTS:
+            raise _fail("invalid_input", f"must have at most {EMBEDDING_MAX_INPUTS} items")
+        if all(isinstance(p, str) and p for p in value):
+            return value
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+            return value
+        if all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+               for p in value):
+            return value
+    raise _fail("invalid_input", "must be a non-empty string, array of non-empty strings, array of token ids, "
+                                 "or array of token-id arrays")
+
+
+def _not_streamed(value: Any) -> Any:
+    if value:
+        raise _fail("unsupported_parameter", "is not supported: embeddings are not streamed")
+    return value
+
+
+class EmbeddingRequest(_Open):
+    model: Annotated[StrictStr, Field(min_length=1)]
+    input: Annotated[Any, AfterValidator(_embedding_input)]
+    encoding_format: Literal["float", "base64"] | None = None
+    dimensions: PositiveInt | None = None
+    user: StrictStr | None = None
+    stream: Annotated[Any, AfterValidator(_not_streamed)] = None
+
+
+# ---------------------------------------------------------------- /v1/responses (text in, text out)
+
+
+class _InputTextPart(_Open):
+    type: Literal["input_text"]
+    text: StrictStr
+
+
+class _OutputTextPart(_Open):
+    type: Literal["output_text"]
+    text: StrictStr
+
+
+def _refuse(message: str) -> type[_Open]:
+    class _Refused(_Open):
+        @model_validator(mode="before")
+        @classmethod
+        def _refuse(cls, value: Any) -> Any:
+            raise _fail("unsupported_content", message)
+    return _Refused
+
+
+_MEDIA_PARTS = ("input_image", "input_file", "input_audio")
+_MediaPart = _refuse("is not supported: this gateway serves text input only on /v1/responses "
+                     "(images, files and audio are not accepted)")
+
+
+def _response_part_tag(value: Any) -> str | None:
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind in _MEDIA_PARTS:
+        return "~media"
+    return "~" + kind if kind in ("input_text", "output_text") else None
+
+
+ResponsePart = Annotated[
+    _union(Annotated[_InputTextPart, Tag("~input_text")], Annotated[_OutputTextPart, Tag("~output_text")],
+           Annotated[_MediaPart, Tag("~media")]),
+    Discriminator(_response_part_tag, custom_error_type="invalid_content_part",
+                  custom_error_message="must be a content part object with a 'type' of input_text or output_text"),
+]
+
+
+class _InputMessage(_Open):
+    type: Literal["message"] | None = None
+    role: Literal["user", "assistant", "system", "developer"]
+    content: _content(ResponsePart)
+
+
+_OtherItem = _refuse("is not supported: only message items (a 'role' and text 'content') are accepted on "
+                     "/v1/responses; function calls, tool outputs and item references are not")
+
+
+def _item_tag(value: Any) -> str | None:
+    if not isinstance(value, dict):
+        return None
+    return "~message" if value.get("type", "message") == "message" else "~other"
+
+
+InputItem = Annotated[
+    _union(Annotated[_InputMessage, Tag("~message")], Annotated[_OtherItem, Tag("~other")]),
+    Discriminator(_item_tag, custom_error_type="invalid_input_item",
+                  custom_error_message="must be an input item object with a 'role' and 'content'"),
+]
+
+
+def _input_tag(value: Any) -> str | None:
+    if isinstance(value, str):
+        return "~text"
+    return "~items" if isinstance(value, list) else None
+
+
+ResponseInput = Annotated[
+    _union(Annotated[StrictStr, Tag("~text")], Annotated[Annotated[list[InputItem], Field(min_length=1)],
+                                                          Tag("~items")]),
+    Discriminator(_input_tag, custom_error_type="invalid_input",
+                  custom_error_message="must be a string or an array of input items"),
+]
+
+
+class _ResponseJSONSchema(_Open):
+    type: Literal["json_schema"]
+    name: FunctionName
+    schema_: dict[str, Any] = Field(alias="schema")
+    description: StrictStr | None = None
+    strict: StrictBool | None = None
+
+
+_TextFormats = Annotated[
+    _union(Annotated[_TextFormat, Tag("~text")], Annotated[_JSONObjectFormat, Tag("~json_object")],
+           Annotated[_ResponseJSONSchema, Tag("~json_schema")]),
+    Discriminator(_part_tag(_FORMATS), custom_error_type="invalid_text_format",
+                  custom_error_message="must be an object with a 'type' of text, json_object or json_schema"),
+]
+
+
+class _ResponseText(_Open):
+    format: _TextFormats | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+# Fields that need what the gateway does not have: stored state, server-side tools, background jobs.
+_STATEFUL = "is not supported: this gateway keeps no conversation state; send the whole conversation in 'input'"
+_REFUSED_RESPONSE_FIELDS = {
+    "previous_response_id": _STATEFUL,
+    "conversation": _STATEFUL,
+    "prompt": "is not supported: stored prompts live with OpenAI; send 'instructions' and 'input'",
+    "background": "is not supported: responses are answered while the request is open",
+    "tools": "is not supported: /v1/responses serves text input and output (no built-in or function tools); "
+             "use /v1/chat/completions for tool calls",
+    "include": "is not supported: /v1/responses serves text output only",
+}
+
+
+class ResponsesRequest(_Open):
+    model: Annotated[StrictStr, Field(min_length=1)]
+    input: ResponseInput
+    instructions: StrictStr | None = None
+    max_output_tokens: Annotated[StrictInt, Field(ge=16)] | None = None  # OpenAI's own minimum
+    temperature: Temperature | None = None
+    top_p: Annotated[Number, Field(ge=0, le=1)] | None = None
+    stream: StrictBool | None = None
+    metadata: Metadata = None
+    user: StrictStr | None = None
+    store: StrictBool | None = None
+    text: _ResponseText | None = None
+    tool_choice: Literal["none", "auto"] | None = None
+    previous_response_id: Any = None
+    conversation: Any = None
+    prompt: Any = None
+    background: Any = None
+    tools: Any = None
+    include: Any = None
+
+    @model_validator(mode="after")
+    def _refused(self) -> ResponsesRequest:
+        for name, why in _REFUSED_RESPONSE_FIELDS.items():
+            value = getattr(self, name)
+            if value not in (None, False, [], ""):
+                raise _fail("unsupported_parameter", why, field=name)
+        return self
+
+
+_MODELS: dict[str, type[_Open]] = {"chat": ChatRequest, "completions": CompletionRequest,
+                                   "embeddings": EmbeddingRequest, "responses": ResponsesRequest}
 
 
 # ---------------------------------------------------------------- errors in our words

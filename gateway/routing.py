@@ -12,7 +12,8 @@ Reasons written to the ledger's `route_reason` (see docs/router.md, "Routing in 
   idle_relaxed     easy only because the idle engine relaxed the threshold
   spillover        easy by score, but the easy engine is saturated → hard
   no_score         no model loaded (yet) or nothing to score → the route's `backend` (default: hard)
-  capability       the first choice cannot serve the request (tools, structured output, images, context)
+  capability       the first choice cannot serve the request (tools, structured output, images, embeddings,
+                   context)
                    → the first backend of the chain that can (gateway/capabilities.py)
   budget           (set in proxy.py) the key cannot afford hard → easy
   fallback         (set in proxy.py) served by a backend other than the chain's first
@@ -102,7 +103,7 @@ def difficulty_chain(route: RouteSpec, hard: bool | None) -> list[str]:
 
 def scoring_input(body: dict) -> list | str | None:
     """What the router scores: the chat messages (router/conversation.py reads their text), or the completions
-    prompt as text (None for token ids)."""
+    prompt as text (None for token ids, and for embeddings bodies, which have no prompt)."""
     messages = body.get("messages")
     if messages is not None:
         return messages
@@ -110,29 +111,33 @@ def scoring_input(body: dict) -> list | str | None:
 
 
 def decide(route: RouteSpec, body: dict, models: DifficultyModels, load: EngineLoadMonitor,
-           policy: Policy | None = None) -> Decision:
+           policy: Policy | None = None, endpoint: str | None = None) -> Decision:
     """Fixed routes go to their backend, then their fallbacks; difficulty routes are scored. With `policy`,
-    backends that cannot serve the request are then taken out of the chain (`fit_capabilities`)."""
+    backends that cannot serve the request are then taken out of the chain (`fit_capabilities`). `endpoint`:
+    "embeddings" for a /v1/embeddings body (never scored: the route's `backend`); otherwise the body is a
+    chat or completions one (a /v1/responses body is routed in its chat form)."""
     decision = _decide(route, body, models, load)
     if policy is not None:
-        fit_capabilities(route, decision, policy, body)
+        fit_capabilities(route, decision, policy, body, endpoint)
     return decision
 
 
 _PARAM_OF = {"tools": "tools", "json_mode": "response_format", "structured_output": "response_format",
-             "images": "messages", "context": "messages"}
+             "images": "messages", "context": "messages", "embeddings": "model"}
 
 
-def fit_capabilities(route: RouteSpec, decision: Decision, policy: Policy, body: dict) -> None:
+def fit_capabilities(route: RouteSpec, decision: Decision, policy: Policy, body: dict,
+                     endpoint: str | None = None) -> None:
     """Keep only the chain's backends that can serve `body`. A difficulty route whose first choice cannot
     escalates to the first that can (reason `capability`); a fixed route whose backend cannot — or any
     route where none can — is the client's 400, naming what is missing."""
-    wanted = capabilities.needs(body)
+    endpoint = endpoint or ("chat" if "messages" in body else "completions")
+    wanted = capabilities.needs(body, endpoint)
     caps = {name: capabilities.of(policy.backends[name]) for name in decision.chain}
     tokens = None
     if any(c.max_context is not None for c in caps.values()):
         # about 4 characters a token: the context check must not turn away what would fit
-        tokens = len(admission.prompt_text(body, "chat" if "messages" in body else "completions")) // 4
+        tokens = len(admission.prompt_text(body, endpoint)) // 4
     if not wanted and tokens is None:
         return
     missing = {name: c.missing(wanted, tokens) for name, c in caps.items()}
@@ -143,9 +148,11 @@ def fit_capabilities(route: RouteSpec, decision: Decision, policy: Policy, body:
         return
     if route.strategy != "difficulty" or not capable:
         lacking = missing[first]
+        what = "does not serve embeddings" if lacking == ["embeddings"] else \
+            f"does not support {', '.join(lacking)} (this request needs it)"
         raise errors.invalid_request(
-            f"Route '{route.name}' is served by '{first}', which does not support {', '.join(lacking)} "
-            f"(this request needs it){'' if capable else '; no backend of the route does'}.",
+            f"Route '{route.name}' is served by '{first}', which {what}"
+            f"{'' if capable else '; no backend of the route does'}.",
             param=_PARAM_OF[lacking[0]], code="unsupported_capability")
     decision.chain = capable
     decision.reason = "capability"

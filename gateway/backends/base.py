@@ -6,12 +6,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from gateway.responses_api import END_EVENTS
 from openai_wire import chunk_text
 
 if TYPE_CHECKING:
     from gateway.policy import BackendSpec
 
-Endpoint = Literal["chat", "completions"]
+# "embeddings" is served by `complete` only; "responses" bodies are the Responses API's (gateway/responses_api.py).
+Endpoint = Literal["chat", "completions", "embeddings", "responses"]
 # "request": refused before it left the gateway (e.g. litellm could not build the provider's request from it).
 ErrorKind = Literal["timeout", "connect", "http", "protocol", "request"]
 
@@ -77,16 +79,21 @@ class Usage:
 
 @dataclass(slots=True)
 class Completion:
-    body: dict  # the OpenAI response: chat.completion or text_completion
+    body: dict  # the OpenAI response: chat.completion, text_completion, an embeddings list or a Response
     usage: Usage
     device_seconds: float | None = None  # engine backends: device time spent on this request
     utilisation: float | None = None  # engine backends: the engine's measured busy fraction
 
 
 def usage_from_dict(usage: dict | None) -> Usage | None:
-    """An OpenAI `usage` object as Usage (None when absent)."""
+    """An OpenAI `usage` object as Usage (None when absent): chat/completions/embeddings `prompt_tokens`…, or
+    the Responses API's `input_tokens`/`output_tokens`."""
     if not usage:
         return None
+    if "input_tokens" in usage:
+        details = usage.get("input_tokens_details") or {}
+        return Usage(int(usage.get("input_tokens") or 0), int(usage.get("output_tokens") or 0),
+                     int(details.get("cached_tokens") or 0))
     details = usage.get("prompt_tokens_details") or {}
     return Usage(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0),
                  int(details.get("cached_tokens") or 0))
@@ -132,13 +139,18 @@ class StreamTally:
 
     def observe(self, chunk: dict) -> None:
         self.chunks += 1
-        text = chunk_text(chunk)
+        kind = chunk.get("type")
+        if kind is None:  # a chat or completions chunk
+            text, usage = chunk_text(chunk), chunk.get("usage")
+        else:  # a Responses API event: text in its deltas, usage in the response that ends it
+            text = chunk.get("delta") if kind == "response.output_text.delta" else None
+            usage = (chunk.get("response") or {}).get("usage") if kind in END_EVENTS else None
         if text:
             self.content_chunks += 1
             if self.keep_text:
                 self.parts.append(text)
-        if chunk.get("usage"):
-            self._usage = usage_from_dict(chunk["usage"])
+        if usage:
+            self._usage = usage_from_dict(usage)
         if chunk.get("switchyard"):
             self.device_seconds, self.utilisation = engine_stats(chunk)
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 import orjson
 
+from gateway import responses_api
 from gateway.backends.base import (
     Backend,
     Completion,
@@ -35,7 +36,9 @@ if TYPE_CHECKING:
 
     from gateway.policy import BackendSpec
 
-_PATHS = {"chat": "/chat/completions", "completions": "/completions"}
+# "responses" is served as a chat completion (gateway/responses_api.py). The engine serves no embeddings
+# (capabilities: routing never sends them here unless the policy says otherwise; then they are posted as is).
+_PATHS = {"chat": "/chat/completions", "completions": "/completions", "embeddings": "/embeddings"}
 _READ_BUFFER = 1 << 20  # SSE lines (e.g. with top_logprobs) can be long; aiohttp's default cap is 64 KiB
 
 
@@ -78,6 +81,10 @@ class EngineBackend(Backend):
         return orjson.dumps(body)
 
     async def complete(self, payload: dict, endpoint: Endpoint) -> Completion:
+        if endpoint == "responses":
+            done = await self.complete(responses_api.to_chat(payload), "chat")
+            return Completion(responses_api.to_response(done.body, payload), done.usage, done.device_seconds,
+                              done.utilisation)
         try:
             async with self._client().post(self._urls[endpoint], data=self._encode(payload, False),
                                            headers=self._headers, timeout=self._plain_timeout) as resp:
@@ -96,7 +103,12 @@ class EngineBackend(Backend):
         usage = usage_from_dict(body.get("usage"))
         return Completion(body, usage if usage is not None else Usage(), device_seconds, utilisation)
 
-    async def stream(self, payload: dict, endpoint: Endpoint) -> AsyncIterator[dict]:
+    def stream(self, payload: dict, endpoint: Endpoint) -> AsyncIterator[dict]:
+        if endpoint == "responses":
+            return responses_api.stream_events(self._stream(responses_api.to_chat(payload), "chat"), payload)
+        return self._stream(payload, endpoint)
+
+    async def _stream(self, payload: dict, endpoint: Endpoint) -> AsyncIterator[dict]:
         try:
             resp = await self._client().post(self._urls[endpoint], data=self._encode(payload, True),
                                              headers=self._headers, timeout=self._stream_timeout)

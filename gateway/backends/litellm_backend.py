@@ -1,4 +1,6 @@
-"""`kind: litellm`: any hosted API through `litellm.acompletion` / `litellm.atext_completion`.
+"""`kind: litellm`: any hosted API through `litellm.acompletion` / `atext_completion` / `aembedding` /
+`aresponses` (the Responses API: litellm sends it to providers that have one, e.g. OpenAI's /v1/responses, and
+bridges it to chat completions for those that do not).
 
 litellm only translates the wire format here: retries, fallbacks and cooldowns are ours (num_retries=0,
 max_retries=0), costs come from gateway/pricing.py, and litellm's own callbacks and telemetry are off.
@@ -46,6 +48,9 @@ litellm.telemetry = False
 litellm.success_callback = []
 litellm.failure_callback = []
 litellm.callbacks = []
+# Retries are ours. litellm's OpenAI embedding (and Azure) path reads `max_retries or DEFAULT_MAX_RETRIES`, so
+# our max_retries=0 became the SDK's 2 hidden retries per attempt: its default is 0 here too.
+litellm.DEFAULT_MAX_RETRIES = 0
 logging.getLogger("LiteLLM").setLevel(logging.WARNING)
 
 # Keys litellm adds to OpenAI objects; dropped so clients see the OpenAI format.
@@ -54,6 +59,12 @@ _EXTRA_CHOICE = ("provider_specific_fields",)
 # Request fields we set ourselves.
 _OURS = frozenset({"model", "stream", "stream_options", "timeout", "api_base", "api_key", "num_retries",
                    "max_retries", "extra_body", "metadata"})
+# Endpoints whose litellm function takes `metadata` and `user` as its own parameters (sent as given).
+_NATIVE_FIELDS = frozenset({"embeddings", "responses"})
+_FUNCTIONS = {"chat": "acompletion", "completions": "atext_completion", "embeddings": "aembedding",
+              "responses": "aresponses"}
+# litellm's own additions to a Responses usage object.
+_EXTRA_USAGE = ("cost",)
 # litellm providers that speak OpenAI's own wire (the request body goes out as OpenAI JSON).
 _PASSTHROUGH_PROVIDERS = frozenset({"openai", "custom_openai", "hosted_vllm", "openai_like", "lm_studio",
                                     "text-completion-openai", "llamafile", "litellm_proxy"})
@@ -73,10 +84,11 @@ class LiteLLMBackend(Backend):
         self._fixed = fixed
         self._passthrough = _provider(spec.model) in _PASSTHROUGH_PROVIDERS
 
-    def _kwargs(self, payload: dict) -> dict:
-        kwargs = {k: v for k, v in payload.items() if k not in _OURS}
+    def _kwargs(self, payload: dict, endpoint: Endpoint = "chat") -> dict:
+        native = endpoint in _NATIVE_FIELDS
+        kwargs = {k: v for k, v in payload.items() if k not in _OURS or (native and k == "metadata")}
         kwargs.update(self._fixed)
-        if self._passthrough:
+        if self._passthrough and not native:
             extra = {k: payload[k] for k in ("metadata", "user") if payload.get(k) is not None}
             messages = payload.get("messages")
             if isinstance(messages, list) and any(
@@ -91,26 +103,33 @@ class LiteLLMBackend(Backend):
         return kwargs
 
     async def _call(self, kwargs: dict, endpoint: Endpoint) -> Any:
-        fn = litellm.acompletion if endpoint == "chat" else litellm.atext_completion
+        fn = getattr(litellm, _FUNCTIONS[endpoint])
         try:
             return await fn(**kwargs)
         except Exception as e:  # every litellm/provider error becomes a typed UpstreamError
             raise map_litellm_error(e, self.name) from e
 
     async def complete(self, payload: dict, endpoint: Endpoint) -> Completion:
-        resp = await self._call(self._kwargs(payload), endpoint)
-        body = to_openai_dict(resp)
+        resp = await self._call(self._kwargs(payload, endpoint), endpoint)
+        if endpoint == "embeddings":
+            body = embeddings_dict(resp)
+        elif endpoint == "responses":
+            body = responses_dict(resp)
+        else:
+            body = to_openai_dict(resp)
         usage = usage_from_dict(body.get("usage"))
         return Completion(body, usage if usage is not None else Usage())
 
     async def stream(self, payload: dict, endpoint: Endpoint) -> AsyncIterator[dict]:
-        kwargs = self._kwargs(payload)
+        kwargs = self._kwargs(payload, endpoint)
         kwargs["stream"] = True
-        kwargs["stream_options"] = requesting_usage(payload.get("stream_options"))
+        if endpoint != "responses":  # a Responses stream always ends with its usage
+            kwargs["stream_options"] = requesting_usage(payload.get("stream_options"))
+        convert = responses_dict if endpoint == "responses" else to_openai_dict
         wrapper = await self._call(kwargs, endpoint)
         try:
             async for chunk in wrapper:
-                yield to_openai_dict(chunk)
+                yield convert(chunk)
         except Exception as e:
             raise map_litellm_error(e, self.name) from e
         finally:
@@ -143,6 +162,28 @@ def to_openai_dict(obj: Any) -> dict:
             part = choice.get(inner)
             if isinstance(part, dict):
                 part.pop("provider_specific_fields", None)
+    return d
+
+
+def embeddings_dict(obj: Any) -> dict:
+    """litellm's EmbeddingResponse as OpenAI's body (embeddings as floats, or as the base64 strings asked for)."""
+    d = obj if isinstance(obj, dict) else obj.model_dump(warnings=False)  # base64 strings: not list[float]
+    usage = d.get("usage") or {}
+    prompt = int(usage.get("prompt_tokens") or 0)
+    d["usage"] = {"prompt_tokens": prompt, "total_tokens": int(usage.get("total_tokens") or prompt)}
+    for k in _EXTRA_TOP:
+        d.pop(k, None)
+    return {"object": "list", **d}
+
+
+def responses_dict(obj: Any) -> dict:
+    """A litellm Response object or Responses stream event as OpenAI's JSON (event types as strings)."""
+    d = obj if isinstance(obj, dict) else obj.model_dump(mode="json", warnings=False, exclude_none=False)
+    response = d.get("response") if isinstance(d.get("response"), dict) else d
+    usage = response.get("usage")
+    if isinstance(usage, dict):
+        for k in _EXTRA_USAGE:
+            usage.pop(k, None)
     return d
 
 

@@ -8,7 +8,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 # The ledger's `endpoint` column for each endpoint the gateway serves.
-ENDPOINT_NAMES = {"chat": "chat.completions", "completions": "completions"}
+ENDPOINT_NAMES = {"chat": "chat.completions", "completions": "completions", "embeddings": "embeddings",
+                  "responses": "responses"}
 
 
 class SpoolRecord:

@@ -6,7 +6,9 @@ It speaks the real wire format (JSON bodies, SSE with `data: …` and `data: [DO
 the official `openai` SDK and litellm's `openai/…` provider work against it unchanged.
 
 Responses are deterministic: `max_tokens` tokens "tok0 tok1 …"; `prompt_tokens` is the number of
-whitespace-separated words in the prompt. Faults and delays are set at start or through the control
+whitespace-separated words in the prompt. `/v1/responses` (the Responses API, plain and streamed with its
+typed events) answers the same text, `max_output_tokens` long; `/v1/embeddings` answers one vector per input
+(`dimensions` long, default 8) from a hash of that input, as floats or base64 (`encoding_format`). Faults and delays are set at start or through the control
 endpoint: `POST /_control` with JSON options (see `StandinOptions`; `{"reset": true}` restores the start
 options and zeroes the counters); `GET /_control` returns counters, options and the last payload.
 
@@ -21,9 +23,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
 import dataclasses
+import hashlib
 import json
+import struct
 import subprocess
 import sys
 import threading
@@ -41,6 +46,8 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: 
 _SSE_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
              b"transfer-encoding: chunked\r\n\r\n")
 _DONE = b"data: [DONE]\n\n"
+_KINDS = {"/chat/completions": "chat", "/completions": "completions", "/responses": "responses",
+          "/embeddings": "embeddings"}
 
 
 @dataclass(slots=True)
@@ -61,9 +68,11 @@ class StandinOptions:
 
 @dataclass(slots=True)
 class StandinStats:
-    requests: int = 0  # completion requests received (chat + completions), failed ones included
+    requests: int = 0  # model requests received (chat, completions, responses, embeddings), failed ones included
     chat_requests: int = 0
     completion_requests: int = 0
+    responses_requests: int = 0
+    embedding_requests: int = 0
     completed: int = 0  # responses written in full
     failed: int = 0  # injected failures and drops
     disconnects: int = 0  # clients that went away before their response was complete
@@ -107,10 +116,38 @@ def _count_words(value: Any) -> int:
     return 0
 
 
-def _prompt_tokens(payload: dict, chat: bool) -> int:
-    if chat:
+def _prompt_tokens(payload: dict, kind: str) -> int:
+    if kind == "chat":
         return sum(_count_words(m.get("content")) for m in payload.get("messages") or () if isinstance(m, dict))
+    if kind == "responses":
+        items = payload.get("input")
+        if isinstance(items, list):
+            items = [i.get("content") if isinstance(i, dict) else i for i in items]
+        return _count_words(payload.get("instructions") or "") + _count_words(items)
     return _count_words(payload.get("prompt", ""))
+
+
+def embedding_vector(item: Any, dimensions: int = 8) -> list[float]:
+    """The stand-in's vector for one embeddings input: `dimensions` floats in [-1, 1] from its SHA-256."""
+    seed = json.dumps(item, separators=(",", ":")).encode()
+    raw = b"".join(hashlib.sha256(seed + b"%d" % i).digest() for i in range(dimensions // 32 + 1))
+    return [round(b / 127.5 - 1.0, 6) for b in raw[:dimensions]]
+
+
+def _embeddings_body(payload: dict) -> dict:
+    items = payload.get("input")
+    if isinstance(items, str) or (isinstance(items, list) and items and isinstance(items[0], int)):
+        items = [items]
+    dims = payload.get("dimensions") if isinstance(payload.get("dimensions"), int) else 8
+    data = []
+    for i, item in enumerate(items or ()):
+        vector: Any = embedding_vector(item, dims)
+        if payload.get("encoding_format") == "base64":
+            vector = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+        data.append({"object": "embedding", "index": i, "embedding": vector})
+    tokens = sum(len(item) if isinstance(item, list) else _count_words(item) for item in items or ())
+    return {"object": "list", "data": data, "model": payload.get("model", "standin"),
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
 def _response(status: int, body: bytes, content_type: bytes = b"application/json", extra: bytes = b"") -> bytes:
@@ -138,24 +175,29 @@ class _Request:
         "created",
         "ext",
         "include_usage",
+        "kind",
         "model",
         "n",
         "payload",
         "prompt",
         "rid",
+        "seq",
         "stream",
         "usage",
     )
 
-    def __init__(self, state: _State, payload: dict, chat: bool):
+    def __init__(self, state: _State, payload: dict, kind: str):
         opts = state.options
         state.seq += 1
-        self.chat = chat
+        self.seq = state.seq
+        self.kind = kind
+        self.chat = kind == "chat"
+        chat = self.chat
         self.payload = payload
         self.model = payload.get("model", "standin")
-        n = payload.get("max_completion_tokens") or payload.get("max_tokens")
+        n = payload.get("max_completion_tokens") or payload.get("max_tokens") or payload.get("max_output_tokens")
         self.n = int(n) if isinstance(n, int) and n >= 0 else opts.default_max_tokens
-        self.prompt = _prompt_tokens(payload, chat)
+        self.prompt = _prompt_tokens(payload, kind)
         self.usage = {"prompt_tokens": self.prompt, "completion_tokens": self.n,
                       "total_tokens": self.prompt + self.n,
                       "prompt_tokens_details": {"cached_tokens": min(opts.cached_tokens, self.prompt)}}
@@ -170,8 +212,81 @@ class _Request:
     def finish_reason(self) -> str:
         return "length" if "max_tokens" in self.payload or "max_completion_tokens" in self.payload else "stop"
 
+    def text(self) -> str:
+        return " ".join(f"tok{i}" for i in range(self.n))
+
+    # ---- the Responses API (/v1/responses): one message item with one output_text part
+
+    def response_object(self, done: bool) -> dict:
+        incomplete = done and "max_output_tokens" in self.payload
+        out = {"id": f"resp_standin{self.seq}", "object": "response", "created_at": self.created,
+               "status": ("incomplete" if incomplete else "completed") if done else "in_progress",
+               "model": self.model, "output": [self.message_item(done)] if done else [],
+               "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None, "error": None,
+               "instructions": self.payload.get("instructions"), "metadata": self.payload.get("metadata") or {},
+               "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
+               "temperature": self.payload.get("temperature"), "top_p": self.payload.get("top_p"),
+               "max_output_tokens": self.payload.get("max_output_tokens"),
+               "text": self.payload.get("text") or {"format": {"type": "text"}}, "usage": None}
+        if done:
+            out["usage"] = {"input_tokens": self.prompt, "output_tokens": self.n,
+                            "total_tokens": self.prompt + self.n,
+                            "input_tokens_details": {"cached_tokens": min(self.usage["prompt_tokens_details"]
+                                                                          ["cached_tokens"], self.prompt),
+                                                     "cache_write_tokens": 0},
+                            "output_tokens_details": {"reasoning_tokens": 0}}
+        return out  # no engine extension: the engine serves no /v1/responses of its own
+
+    def message_item(self, done: bool) -> dict:
+        content = [{"type": "output_text", "text": self.text(), "annotations": []}] if done else []
+        return {"type": "message", "id": f"msg_standin{self.seq}", "role": "assistant",
+                "status": "completed" if done else "in_progress", "content": content}
+
+    def response_event(self, kind: str, seq: int, **fields: Any) -> bytes:
+        body = {"type": kind, "sequence_number": seq, **fields}
+        return _chunk(b"event: " + kind.encode() + b"\ndata: " + json.dumps(body, separators=(",", ":")).encode()
+                      + b"\n\n")
+
+    def response_head_events(self) -> bytes:
+        item = {"item_id": f"msg_standin{self.seq}", "output_index": 0, "content_index": 0}
+        return b"".join((
+            self.response_event("response.created", 0, response=self.response_object(False)),
+            self.response_event("response.in_progress", 1, response=self.response_object(False)),
+            self.response_event("response.output_item.added", 2, output_index=0, item=self.message_item(False)),
+            self.response_event("response.content_part.added", 3, **item,
+                                part={"type": "output_text", "text": "", "annotations": []})))
+
+    def response_delta_event(self, i: int) -> bytes:
+        return self.response_event("response.output_text.delta", 4 + i, item_id=f"msg_standin{self.seq}",
+                                   output_index=0, content_index=0, delta=f"tok{i}" if i == 0 else f" tok{i}",
+                                   logprobs=[])
+
+    def response_tail_events(self) -> bytes:
+        seq = 4 + self.n
+        item = {"item_id": f"msg_standin{self.seq}", "output_index": 0, "content_index": 0}
+        part = {"type": "output_text", "text": self.text(), "annotations": []}
+        final = self.response_object(True)
+        return b"".join((
+            self.response_event("response.output_text.done", seq, **item, text=self.text(), logprobs=[]),
+            self.response_event("response.content_part.done", seq + 1, **item, part=part),
+            self.response_event("response.output_item.done", seq + 2, output_index=0, item=self.message_item(True)),
+            self.response_event("response.completed" if final["status"] == "completed" else "response.incomplete",
+                                seq + 3, response=final),
+            b"0\r\n\r\n"))
+
+    def head_events(self) -> bytes:
+        return _SSE_HEAD + (self.response_head_events() if self.kind == "responses" else b"")
+
+    def stream_event(self, i: int) -> bytes:
+        return self.response_delta_event(i) if self.kind == "responses" else self.token_event(i)
+
+    def stream_tail(self) -> bytes:
+        return self.response_tail_events() if self.kind == "responses" else self.tail_events()
+
     def full_body(self) -> bytes:
-        text = " ".join(f"tok{i}" for i in range(self.n))
+        if self.kind == "responses":
+            return json.dumps(self.response_object(True), separators=(",", ":")).encode()
+        text = self.text()
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
                       "logprobs": None, "finish_reason": self.finish_reason()}
@@ -288,8 +403,8 @@ class _Connection(asyncio.Protocol):
     def _dispatch(self, method: str, path: str, body: bytes) -> None:
         if path.startswith("/v1/"):
             path = path[3:]
-        if path in ("/chat/completions", "/completions") and method == "POST":
-            self._completion(body, path == "/chat/completions")
+        if path in _KINDS and method == "POST":
+            self._completion(body, _KINDS[path])
         elif path == "/_control":
             self._control(method, body)
         elif path == "/models" and method == "GET":
@@ -312,13 +427,12 @@ class _Connection(asyncio.Protocol):
                 return
         self.transport.write(_response(200, json.dumps(self.state.snapshot()).encode()))
 
-    def _completion(self, body: bytes, chat: bool) -> None:
+    def _completion(self, body: bytes, kind: str) -> None:
         state, stats, opts = self.state, self.state.stats, self.state.options
         stats.requests += 1
-        if chat:
-            stats.chat_requests += 1
-        else:
-            stats.completion_requests += 1
+        counter = {"chat": "chat_requests", "completions": "completion_requests", "responses": "responses_requests",
+                   "embeddings": "embedding_requests"}[kind]
+        setattr(stats, counter, getattr(stats, counter) + 1)
         try:
             payload = json.loads(body)
             if not isinstance(payload, dict):
@@ -338,16 +452,20 @@ class _Connection(asyncio.Protocol):
             extra = b"retry-after: %s\r\n" % str(opts.retry_after).encode() if opts.retry_after is not None else b""
             self.transport.write(_error(opts.fail_status, f"standin: injected {opts.fail_status}", extra))
             return
-        req = _Request(state, payload, chat)
+        if kind == "embeddings":
+            self.transport.write(_response(200, json.dumps(_embeddings_body(payload)).encode()))
+            stats.completed += 1
+            return
+        req = _Request(state, payload, kind)
         if opts.first_byte_delay_ms or opts.token_delay_ms or opts.drop_after_tokens is not None:
             self.busy = True
             self._begin()
             asyncio.get_running_loop().create_task(self._answer_slowly(req))
             return
         if req.stream:
-            parts = [_SSE_HEAD]
-            parts.extend(req.token_event(i) for i in range(req.n))
-            parts.append(req.tail_events())
+            parts = [req.head_events()]
+            parts.extend(req.stream_event(i) for i in range(req.n))
+            parts.append(req.stream_tail())
             self.transport.write(b"".join(parts))
         else:
             self.transport.write(_response(200, req.full_body()))
@@ -379,7 +497,7 @@ class _Connection(asyncio.Protocol):
                 self._end()
                 self.state.stats.completed += 1
                 return
-            self.transport.write(_SSE_HEAD)
+            self.transport.write(req.head_events())
             for i in range(req.n):
                 if i and await self._sleep_or_lost(opts.token_delay_ms):
                     return
@@ -388,12 +506,12 @@ class _Connection(asyncio.Protocol):
                     self.state.stats.failed += 1
                     self.transport.abort()
                     return
-                self.transport.write(req.token_event(i))
+                self.transport.write(req.stream_event(i))
                 if self.closed:
                     return
             if await self._sleep_or_lost(opts.token_delay_ms):
                 return
-            self.transport.write(req.tail_events())
+            self.transport.write(req.stream_tail())
             self._end()
             self.state.stats.completed += 1
         finally:

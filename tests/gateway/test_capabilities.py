@@ -101,3 +101,23 @@ def test_policy_check_warns_about_fallbacks_that_lack_the_primarys_capabilities(
     assert any("routes.fixed-vision: fallback 'engine' lacks images that 'vision' has" in w for w in warnings)
     assert any("routes.fixed-vision: fallback 'small-ctx' lacks tools" in w for w in warnings)
     assert not any("routes.fixed-engine:" in w for w in warnings)
+
+
+def test_embeddings_are_derived_from_the_model_map_and_declarable(policy) -> None:
+    import litellm
+
+    assert litellm.model_cost["text-embedding-3-small"]["mode"] == "embedding"
+    assert litellm.model_cost["gpt-4o-mini"]["mode"] == "chat"
+    assert capabilities.needs({"model": "m", "input": "hi"}, "embeddings") == {"embeddings"}
+    assert capabilities.of(policy.backends["embedder"]).embeddings  # mode: embedding
+    assert not capabilities.of(policy.backends["vision"]).embeddings  # gpt-4o-mini: a chat model
+    assert not capabilities.of(policy.backends["engine"]).embeddings
+    assert capabilities.of(policy.backends["small-ctx"]).embeddings  # unknown to litellm: not known not to
+    declared = parse_policy(POLICY.replace("gpu_hour_usd: 1}", "gpu_hour_usd: 1, capabilities: {embeddings: true}}"),
+                            "caps.yaml")
+    assert capabilities.of(declared.backends["engine"]).embeddings
+    d = decision(policy, "fixed-engine")
+    with pytest.raises(APIError) as err:
+        fit_capabilities(policy.routes["fixed-engine"], d, policy, {"model": "m", "input": "hi"}, "embeddings")
+    assert err.value.code == "unsupported_capability" and err.value.param == "model"
+    assert "'engine', which does not serve embeddings" in str(err.value)
