@@ -180,8 +180,8 @@ def test_instructor_on_the_engine(gateway, mode) -> None:
 def test_litellm_as_a_client(gateway, route) -> None:
     import litellm
 
-    kwargs = dict(model=f"openai/{route}", api_base=gateway.base_url, api_key=MASTER_KEY, messages=ASK,
-                  max_tokens=4, num_retries=0)
+    kwargs = {"model": f"openai/{route}", "api_base": gateway.base_url, "api_key": MASTER_KEY, "messages": ASK,
+                  "max_tokens": 4, "num_retries": 0}
     reply = litellm.completion(**kwargs)
     assert reply.choices[0].message.content
     streamed = "".join(c.choices[0].delta.content or "" for c in litellm.completion(stream=True, **kwargs))
