@@ -289,12 +289,19 @@ class _JSONSchemaFormat(_Open):
 
 
 _FORMATS = ("text", "json_object", "json_schema")
-ResponseFormat = Annotated[
-    _union(Annotated[_TextFormat, Tag("~text")], Annotated[_JSONObjectFormat, Tag("~json_object")],
-           Annotated[_JSONSchemaFormat, Tag("~json_schema")]),
-    Discriminator(_part_tag(_FORMATS), custom_error_type="invalid_response_format",
-                  custom_error_message="must be an object with a 'type' of text, json_object or json_schema"),
-]
+
+
+def _formats(json_schema: type, error_type: str) -> Any:
+    """text | json_object | json_schema (chat's and the Responses API's json_schema shapes differ)."""
+    return Annotated[
+        _union(Annotated[_TextFormat, Tag("~text")], Annotated[_JSONObjectFormat, Tag("~json_object")],
+               Annotated[json_schema, Tag("~json_schema")]),
+        Discriminator(_part_tag(_FORMATS), custom_error_type=error_type,
+                      custom_error_message="must be an object with a 'type' of text, json_object or json_schema"),
+    ]
+
+
+ResponseFormat = _formats(_JSONSchemaFormat, "invalid_response_format")
 
 
 class _StreamOptions(_Open):
@@ -550,12 +557,7 @@ class _ResponseJSONSchema(_Open):
     strict: StrictBool | None = None
 
 
-_TextFormats = Annotated[
-    _union(Annotated[_TextFormat, Tag("~text")], Annotated[_JSONObjectFormat, Tag("~json_object")],
-           Annotated[_ResponseJSONSchema, Tag("~json_schema")]),
-    Discriminator(_part_tag(_FORMATS), custom_error_type="invalid_text_format",
-                  custom_error_message="must be an object with a 'type' of text, json_object or json_schema"),
-]
+_TextFormats = _formats(_ResponseJSONSchema, "invalid_text_format")
 
 
 class _ResponseText(_Open):

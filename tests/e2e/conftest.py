@@ -48,6 +48,19 @@ class RunningGateway:
         return future.result(timeout=30)
 
 
+def tiny_difficulty_model(path: Path) -> Path:
+    """A difficulty model where "prove the statement number N" is hard and "say hi N" is easy, saved at `path`."""
+    import numpy as np
+
+    from router.train import fit
+
+    prompts = [f"prove the statement number {i}" for i in range(20)] + [f"say hi {i}" for i in range(40)]
+    model = fit(prompts, np.array([False] * 20 + [True] * 40), np.ones(60, dtype=bool))
+    model.save(path)
+    assert model.score("prove the statement number 7") >= 0.5 > model.score("say hi 7")
+    return path
+
+
 @contextmanager
 def run_gateway(policy_text: str, tmp_path: Path, database_url: str | None = None,
                 master_key: str = MASTER_KEY) -> Iterator[RunningGateway]:

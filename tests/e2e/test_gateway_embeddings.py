@@ -6,14 +6,12 @@ import base64
 import struct
 
 import httpx
-import numpy as np
 import openai
 import pytest
 
 from gateway.keys import create_key
 from gateway.testing.standin import embedding_vector, standin_control, standin_stats
-from router.train import fit
-from tests.e2e.conftest import MASTER_KEY, ledger_rows, run_gateway
+from tests.e2e.conftest import MASTER_KEY, ledger_rows, run_gateway, tiny_difficulty_model
 
 POLICY = """
 backends:
@@ -47,9 +45,7 @@ PRICE = 2e-8  # litellm's map: text-embedding-3-small, input_cost_per_token (out
 @pytest.fixture
 def gateway(standin, tmp_path, monkeypatch):
     monkeypatch.setenv("STANDIN_API_KEY", "sk-standin")
-    prompts = [f"prove the statement number {i}" for i in range(20)] + [f"say hi {i}" for i in range(40)]
-    model = fit(prompts, np.array([False] * 20 + [True] * 40), np.ones(60, dtype=bool))
-    model.save(tmp_path / "m.npz")
+    tiny_difficulty_model(tmp_path / "m.npz")
     with run_gateway(POLICY.format(standin=standin, model=tmp_path / "m.npz"), tmp_path) as running:
         yield running
 

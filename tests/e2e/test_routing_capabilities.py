@@ -1,12 +1,10 @@
 """Capability routing through a real gateway: a request never reaches a backend that cannot serve it."""
 from __future__ import annotations
 
-import numpy as np
 import openai
 import pytest
 
-from router.train import fit
-from tests.e2e.conftest import MASTER_KEY, ledger_rows, run_gateway
+from tests.e2e.conftest import MASTER_KEY, ledger_rows, run_gateway, tiny_difficulty_model
 
 POLICY = """
 backends:
@@ -29,9 +27,7 @@ IMAGE = [{"role": "user", "content": [{"type": "text", "text": "say hi 1"},
 @pytest.fixture
 def gateway(standin, tmp_path, monkeypatch):
     monkeypatch.setenv("STANDIN_API_KEY", "sk-standin")
-    prompts = [f"prove the statement number {i}" for i in range(20)] + [f"say hi {i}" for i in range(40)]
-    model = fit(prompts, np.array([False] * 20 + [True] * 40), np.ones(60, dtype=bool))
-    model.save(tmp_path / "m.npz")
+    tiny_difficulty_model(tmp_path / "m.npz")
     with run_gateway(POLICY.format(standin=standin, model=tmp_path / "m.npz"), tmp_path) as running:
         yield running
 

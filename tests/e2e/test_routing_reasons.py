@@ -1,13 +1,11 @@
 """The `fallback` and `budget` route reasons, through a real gateway with stand-in backends."""
 from __future__ import annotations
 
-import numpy as np
 import openai
 import pytest
 
 from gateway.keys import create_key
-from router.train import fit
-from tests.e2e.conftest import MASTER_KEY, free_port, ledger_rows, run_gateway
+from tests.e2e.conftest import MASTER_KEY, free_port, ledger_rows, run_gateway, tiny_difficulty_model
 
 POLICY = """
 backends:
@@ -58,10 +56,7 @@ EASY = "say hi 7"
 @pytest.fixture
 def gateway(standin, tmp_path, monkeypatch):
     monkeypatch.setenv("STANDIN_API_KEY", "sk-standin")
-    prompts = [f"prove the statement number {i}" for i in range(20)] + [f"say hi {i}" for i in range(40)]
-    model = fit(prompts, np.array([False] * 20 + [True] * 40), np.ones(60, dtype=bool))
-    model.save(tmp_path / "m.npz")
-    assert model.score(HARD) >= 0.5 > model.score(EASY)
+    tiny_difficulty_model(tmp_path / "m.npz")
     with run_gateway(POLICY.format(standin=standin, dead_port=free_port(), model=tmp_path / "m.npz"),
                      tmp_path) as running:
         yield running
