@@ -1,6 +1,8 @@
 """Request validation and the estimates admission control needs (before any backend is called)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from gateway import errors, request_schema, responses_api
 from openai_wire import messages_text
 
@@ -36,6 +38,24 @@ def prompt_text(body: dict, endpoint: str) -> str:
     return completions_prompt_text(body["prompt"]) or ""
 
 
+@dataclass(frozen=True, slots=True)
+class PromptView:
+    """The request as routing and admission read it, worked out once per request: a Responses body in its chat
+    form, the flattened prompt text, and the (deliberately high) prompt-token estimate."""
+
+    body: dict
+    endpoint: str
+    text: str
+    estimated_tokens: int
+
+    @classmethod
+    def of(cls, body: dict, endpoint: str) -> PromptView:
+        if endpoint == "responses":
+            body, endpoint = responses_api.to_chat(body), "chat"
+        text = prompt_text(body, endpoint)
+        return cls(body, endpoint, text, estimate_prompt_tokens(body, endpoint, text))
+
+
 def completions_prompt_text(prompt: object) -> str | None:
     """A completions `prompt` as text: a string as is, a list of strings joined by newlines; None for token ids."""
     if isinstance(prompt, str):
@@ -45,8 +65,9 @@ def completions_prompt_text(prompt: object) -> str | None:
     return None
 
 
-def estimate_prompt_tokens(body: dict, endpoint: str) -> int:
-    """A deliberately high estimate (about 3 characters a token, plus per-message overhead)."""
+def estimate_prompt_tokens(body: dict, endpoint: str, text: str | None = None) -> int:
+    """A deliberately high estimate (about 3 characters a token, plus per-message overhead); `text`: the
+    body's prompt_text, when the caller has it already."""
     if endpoint in ("completions", "embeddings"):
         ids = body["prompt" if endpoint == "completions" else "input"]
         if isinstance(ids, list) and ids and isinstance(ids[0], int):
@@ -56,7 +77,7 @@ def estimate_prompt_tokens(body: dict, endpoint: str) -> int:
     if endpoint == "responses":
         return estimate_prompt_tokens(responses_api.to_chat(body), "chat")
     overhead = 8 * len(body["messages"]) if endpoint == "chat" else 0
-    return len(prompt_text(body, endpoint)) // 3 + 1 + overhead
+    return len(prompt_text(body, endpoint) if text is None else text) // 3 + 1 + overhead
 
 
 def max_tokens(body: dict, endpoint: str = "chat") -> int:

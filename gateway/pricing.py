@@ -61,6 +61,11 @@ def device_hour_usd(spec: BackendSpec) -> float:
     return spec.gpus * spec.gpu_hour_usd
 
 
+def device_count(spec: BackendSpec) -> int:
+    """How many devices device_hour_usd pays for: the GPUs, or one CPU host."""
+    return 1 if spec.cpu_hour_usd is not None else spec.gpus
+
+
 def device_kind(spec: BackendSpec) -> str | None:
     """'cpu' for an engine priced per CPU host, 'gpu' for one priced per GPU, None for API backends."""
     if spec.kind != "engine":

@@ -79,6 +79,7 @@ class Call:
     reservation: Reservation | None
     started: float
     in_flight: metrics.InFlight  # ended when the plain response is ready or the stream's on_end runs
+    prompt_tokens: int  # admission's (high) estimate, for rows of requests cut short before their usage
     shadow: ShadowTicket | None = None  # sampled for shadow evaluation (gateway/shadow/)
 
 
@@ -129,18 +130,19 @@ async def _admit(services: Services, request: Request, endpoint: Endpoint, recor
     """Read and route the request, check its key's limits and reserve its worst-case cost (APIError if not)."""
     body = await _read_body(request, endpoint, services.max_body_bytes)
     policy = services.policy_store.current
-    route, decision = _route(services, policy, body, endpoint, record)
-    prompt_tokens = admission.estimate_prompt_tokens(body, endpoint)
+    route, decision, view = _route(services, policy, body, endpoint, record)
+    prompt_tokens = view.estimated_tokens
     services.limiter.admit(key, prompt_tokens)
     reservation = await _reserve(services, key, policy, route, decision, body, endpoint, prompt_tokens, record)
     if route.log_prompts:
-        record.prompt_text = admission.prompt_text(body, endpoint)
+        record.prompt_text = view.text
     # Shadow evaluation compares answers to chat and completions requests (embeddings have no answer to judge).
     shadow = services.shadow.ticket(request_id=record.request_id, route=route, policy=policy, body=body,
                                     endpoint=endpoint, decision=decision) \
         if route.shadow is not None and services.shadow is not None and endpoint in _SHADOWED else None
     return Call(record=record, key=key, policy=policy, route=route, body=body, endpoint=endpoint,
-                chain=decision.chain, reservation=reservation, started=started, in_flight=in_flight, shadow=shadow)
+                chain=decision.chain, reservation=reservation, started=started, in_flight=in_flight,
+                prompt_tokens=prompt_tokens, shadow=shadow)
 
 
 async def _read_body(request: Request, endpoint: Endpoint, limit: int) -> dict:
@@ -193,9 +195,9 @@ _TEAM_CHARS, _STORED_CHARS, _CODE_CHARS = 128, 256, 64  # the ledger's column wi
 
 
 def _route(services: Services, policy: Policy, body: dict, endpoint: Endpoint,
-           record: LedgerRecord) -> tuple[RouteSpec, Decision]:
-    """The route the requested model names, and routing's decision for this request (a Responses request is
-    scored and matched to capabilities in its chat form)."""
+           record: LedgerRecord) -> tuple[RouteSpec, Decision, admission.PromptView]:
+    """The route the requested model names, routing's decision for this request (a Responses request is
+    scored and matched to capabilities in its chat form), and the request's prompt view (computed once)."""
     record.requested_model = errors.clip(body["model"], _STORED_CHARS)
     record.policy_version = policy.version
     record.stream = bool(body.get("stream"))
@@ -203,12 +205,11 @@ def _route(services: Services, policy: Policy, body: dict, endpoint: Endpoint,
     if route is None:
         raise errors.model_not_found(body["model"], list(policy.routes))
     record.route = route.name
-    if endpoint == "responses":
-        decision = decide(route, responses_api.to_chat(body), services.models, services.load, policy)
-    else:
-        decision = decide(route, body, services.models, services.load, policy, endpoint=endpoint)
+    view = admission.PromptView.of(body, endpoint)
+    decision = decide(route, view.body, services.models, services.load, policy, endpoint=view.endpoint,
+                      prompt_chars=len(view.text))
     record.route_reason, record.difficulty, record.threshold = decision.reason, decision.difficulty, decision.threshold
-    return route, decision
+    return route, decision, view
 
 
 async def _reserve(services: Services, key: KeyInfo, policy: Policy, route: RouteSpec, decision: Decision,
@@ -306,7 +307,7 @@ def _client_closed(services: Services, call: Call, backend: Backend | None) -> R
     if backend is None:
         _finish(services, call, None, None, status="client_closed", error_type="client_closed")
     else:
-        usage = Usage(admission.estimate_prompt_tokens(call.body, call.endpoint), 0, 0)
+        usage = Usage(call.prompt_tokens, 0, 0)
         device_seconds = services.pool.estimate_device_seconds(backend.name, usage) \
             if backend.spec.kind == "engine" else None
         _finish(services, call, backend.spec, Completion({}, usage, device_seconds),
@@ -375,8 +376,7 @@ class _Relay:
         with anyio.CancelScope(shield=True):
             await _close(self.chunks)
         # cut short (no usage chunk): count what was actually streamed
-        usage = tally.usage() if tally.complete_usage else tally.usage(
-            admission.estimate_prompt_tokens(call.body, call.endpoint))
+        usage = tally.usage() if tally.complete_usage else tally.usage(call.prompt_tokens)
         device_seconds, estimated = tally.device_seconds, False
         if self.status == "client_closed" and device_seconds is None:
             device_seconds = self.services.pool.estimate_device_seconds(self.backend.name, usage)

@@ -351,17 +351,23 @@ def _logit_bias(value: Any) -> Any:
     return value
 
 
+def _token_ids(value: Any) -> bool:
+    return all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _text_or_tokens(value: Any, *, empty_strings: bool) -> bool:
+    """A non-empty string, or a non-empty array of strings, of token ids, or of non-empty token-id arrays."""
+    if isinstance(value, str):
+        return bool(value)
+    if not isinstance(value, list) or not value:
+        return False
+    return (all(isinstance(p, str) and (empty_strings or p) for p in value) or _token_ids(value)
+            or all(isinstance(p, list) and p and _token_ids(p) for p in value))
+
+
 def _prompt(value: Any) -> Any:
-    if isinstance(value, str) and value:
+    if _text_or_tokens(value, empty_strings=True):
         return value
-    if isinstance(value, list) and value:
-        if all(isinstance(p, str) for p in value):
-            return value
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-            return value
-        if all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
-               for p in value):
-            return value
     raise _fail("invalid_prompt", "must be a non-empty string, array of strings, array of token ids, "
                                   "or array of token-id arrays")
 
@@ -439,18 +445,10 @@ EMBEDDING_MAX_INPUTS = 2048
 
 
 def _embedding_input(value: Any) -> Any:
-    if isinstance(value, str) and value:
+    if isinstance(value, list) and len(value) > EMBEDDING_MAX_INPUTS:
+        raise _fail("invalid_input", f"must have at most {EMBEDDING_MAX_INPUTS} items")
+    if _text_or_tokens(value, empty_strings=False):
         return value
-    if isinstance(value, list) and value:
-        if len(value) > EMBEDDING_MAX_INPUTS:
-            raise _fail("invalid_input", f"must have at most {EMBEDDING_MAX_INPUTS} items")
-        if all(isinstance(p, str) and p for p in value):
-            return value
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-            return value
-        if all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
-               for p in value):
-            return value
     raise _fail("invalid_input", "must be a non-empty string, array of non-empty strings, array of token ids, "
                                  "or array of token-id arrays")
 

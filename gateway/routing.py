@@ -111,14 +111,15 @@ def scoring_input(body: dict) -> list | str | None:
 
 
 def decide(route: RouteSpec, body: dict, models: DifficultyModels, load: EngineLoadMonitor,
-           policy: Policy | None = None, endpoint: str | None = None) -> Decision:
+           policy: Policy | None = None, endpoint: str | None = None, prompt_chars: int | None = None) -> Decision:
     """Fixed routes go to their backend, then their fallbacks; difficulty routes are scored. With `policy`,
     backends that cannot serve the request are then taken out of the chain (`fit_capabilities`). `endpoint`:
     "embeddings" for a /v1/embeddings body (never scored: the route's `backend`); otherwise the body is a
-    chat or completions one (a /v1/responses body is routed in its chat form)."""
+    chat or completions one (a /v1/responses body is routed in its chat form). `prompt_chars`: the length of
+    the body's prompt text, when the caller has it (otherwise worked out if a context check needs it)."""
     decision = _decide(route, body, models, load)
     if policy is not None:
-        fit_capabilities(route, decision, policy, body, endpoint)
+        fit_capabilities(route, decision, policy, body, endpoint, prompt_chars)
     return decision
 
 
@@ -127,7 +128,7 @@ _PARAM_OF = {"tools": "tools", "json_mode": "response_format", "structured_outpu
 
 
 def fit_capabilities(route: RouteSpec, decision: Decision, policy: Policy, body: dict,
-                     endpoint: str | None = None) -> None:
+                     endpoint: str | None = None, prompt_chars: int | None = None) -> None:
     """Keep only the chain's backends that can serve `body`. A difficulty route whose first choice cannot
     escalates to the first that can (reason `capability`); a fixed route whose backend cannot — or any
     route where none can — is the client's 400, naming what is missing."""
@@ -137,7 +138,9 @@ def fit_capabilities(route: RouteSpec, decision: Decision, policy: Policy, body:
     tokens = None
     if any(c.max_context is not None for c in caps.values()):
         # about 4 characters a token: the context check must not turn away what would fit
-        tokens = len(admission.prompt_text(body, endpoint)) // 4
+        if prompt_chars is None:
+            prompt_chars = len(admission.prompt_text(body, endpoint))
+        tokens = prompt_chars // 4
     if not wanted and tokens is None:
         return
     missing = {name: c.missing(wanted, tokens) for name, c in caps.items()}
@@ -277,8 +280,8 @@ class RoutingRuntime:
             api_base = getattr(backend, "api_base", None) or spec.api_base
             if spec.kind == "engine" and api_base:
                 targets[name] = api_base
-                prices[name] = DevicePrice(pricing.device_hour_usd(spec), 1 if spec.cpu_hour_usd is not None
-                                           else spec.gpus, pricing.device_kind(spec) or "gpu")
+                prices[name] = DevicePrice(pricing.device_hour_usd(spec), pricing.device_count(spec),
+                                           pricing.device_kind(spec) or "gpu")
         self.load.configure(targets, prices)
         await self.models.sync(policy)
 

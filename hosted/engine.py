@@ -82,6 +82,7 @@ class LLMEngine:
                      if config.spec_method is not None else None)
         # Constrained decoding (hosted/structured.py): per-sequence grammar matchers, masks filled during the forward.
         self.masks = GrammarMasks(self.model_config.vocab_size)
+        self._constrained = 0  # live sequences with a grammar: without any, a step does no mask work at all
         self._seqs: dict[str, Sequence] = {}
         self._aborted: list[StepOutput] = []
         self._arrivals = 0
@@ -130,6 +131,7 @@ class LLMEngine:
         self._arrivals += 1
         if params.grammar is not None:
             seq.matcher = new_matcher(params.grammar)
+            self._constrained += 1
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         self._seqs[request_id] = seq
@@ -138,9 +140,10 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         """Free the request's blocks now; the next step() reports it finished with reason "abort".
         Unknown or already finished ids are ignored."""
-        seq = self._seqs.pop(request_id, None)
+        seq = self._seqs.get(request_id)
         if seq is None:
             return
+        self._forget(seq)
         self.scheduler.remove(seq)
         if self.spec is not None:
             self.spec.release(seq)
@@ -163,7 +166,7 @@ class LLMEngine:
         if batch.empty:
             return outputs
         t0 = time.perf_counter()
-        constrained = self._start_masks(batch)
+        constrained = self._constrained > 0 and self._start_masks(batch)
         with torch.inference_mode():
             logits, sample_seqs = self.runner.execute(batch)
             if constrained:
@@ -208,8 +211,14 @@ class LLMEngine:
             self.scheduler.remove(seq)
             if spec is not None:
                 spec.release(seq)
-            del self._seqs[seq.request_id]
+            self._forget(seq)
         return outputs
+
+    def _forget(self, seq: Sequence) -> None:
+        """The request is over: drop it from the live sequences (and the count of constrained ones)."""
+        del self._seqs[seq.request_id]
+        if seq.matcher is not None:
+            self._constrained -= 1
 
     def _start_masks(self, batch) -> bool:
         """Start filling the next-token bitmasks of the constrained sequences that sample this step (their logit

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 
 import pytest
@@ -55,8 +56,9 @@ def sqlite_url(tmp_path) -> str:
     return f"sqlite:///{tmp_path / 'switchyard-test.db'}"
 
 
-@pytest.fixture
-def pg_url() -> Iterator[str]:
+@contextmanager
+def fresh_pg_database() -> Iterator[str]:
+    """A new, empty PostgreSQL database (session time zone UTC), dropped afterwards; skips without a server."""
     require_postgres()
     import psycopg
 
@@ -69,6 +71,12 @@ def pg_url() -> Iterator[str]:
     finally:
         with psycopg.connect(_pg_conninfo(), autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    with fresh_pg_database() as url:
+        yield url
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

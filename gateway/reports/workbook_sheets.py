@@ -152,7 +152,7 @@ EDIT_ME = "edit me: the other sheets recompute from this price"
 
 
 def prices_sheet(policy, api_rows, engines: list[EngineRow], price_table_version) -> tuple[Sheet, PriceCells]:
-    from gateway.pricing import device_hour_usd, device_kind
+    from gateway.pricing import device_count, device_hour_usd, device_kind
 
     s = Sheet("Prices", widths={1: 16, 2: 26, 3: 14, 4: 14, 5: 14, 6: 30, 7: 40})
     cells = PriceCells()
@@ -191,7 +191,7 @@ def prices_sheet(policy, api_rows, engines: list[EngineRow], price_table_version
             kind, devices = e.device_kind, e.devices
         else:
             price, source = device_hour_usd(spec), "policy"
-            kind, devices = device_kind(spec), (1 if spec.cpu_hour_usd is not None else spec.gpus)
+            kind, devices = device_kind(spec), device_count(spec)
         row = s.next_row
         s.add([name, kind, _c(price, fmt=USD_HOUR, input=True, note=EDIT_ME), _c(devices, fmt=INT), source,
                "yes" if name in in_decision else "no (no traffic or uptime in the window)"])

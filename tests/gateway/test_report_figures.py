@@ -8,7 +8,6 @@ only in-house traffic, an engine without uptime rows, an API backend without a p
 """
 from __future__ import annotations
 
-import uuid
 from collections import defaultdict
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -24,7 +23,7 @@ from gateway.policy import parse_policy
 from gateway.reports.decision import DecisionInputs, decide
 from gateway.reports.figures import EngineRow, Ledger, ReportError, Window, _as_utc
 from gateway.testing import ledger_seed
-from tests.conftest import _pg_conninfo, require_postgres
+from tests.conftest import fresh_pg_database
 
 ROWS, DAYS = 3000, 3
 T0 = ledger_seed.DEFAULT_START
@@ -93,20 +92,9 @@ def seeded(request, tmp_path_factory) -> Iterator[str]:
         ledger_seed.seed(url, rows=ROWS, days=DAYS, seed=7)
         yield url
         return
-    require_postgres()
-    import psycopg
-
-    name = f"sy_test_{uuid.uuid4().hex[:16]}"
-    with psycopg.connect(_pg_conninfo(), autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-        conn.execute(f"ALTER DATABASE \"{name}\" SET timezone TO 'UTC'")
-    try:
-        url = _pg_conninfo(name)
+    with fresh_pg_database() as url:
         ledger_seed.seed(url, rows=ROWS, days=DAYS, seed=7)
         yield url
-    finally:
-        with psycopg.connect(_pg_conninfo(), autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 @pytest.fixture

@@ -211,6 +211,14 @@ def test_padded_lm_head_and_no_drafts_for_constrained_sequences(tmp_path):
         if out[-1] in tok.eos_token_ids:
             jsonschema.validate(json.loads(tok.decode(out)), schema)
     assert max(outs[2]) < vocab
+    inner = engine.engine
+    assert inner._constrained == 0  # finished constrained sequences are no longer counted: steps skip masks
+    inner.add_request("cut", jobs[0].ids, jobs[0].params)
+    assert inner._constrained == 1
+    inner.step()
+    inner.abort_request("cut")
+    inner.step()
+    assert inner._constrained == 0
 
 
 def test_tools_parameters_schema_errors_name_the_tool(smollm2):
