@@ -61,6 +61,9 @@ def _add_serve(esub: argparse._SubParsersAction) -> None:
                         "stay in --dtype): int8 per output channel, int4 group-wise with zero points")
     p.add_argument("--quantization-group-size", type=int, default=128, choices=[32, 64, 128],
                    help="int4: input features per scale/zero group; must divide every layer's input size")
+    p.add_argument("--quantize-head", default=None, action=argparse.BooleanOptionalAction,
+                   help="read the lm_head as int8 on CPU (default: when --quantization is given or the checkpoint "
+                        "is quantized)")
     p.add_argument("--speculative", default=None, choices=["ngram", "draft"],
                    help="speculative decoding: ngram = prompt lookup (no draft model); draft = --draft DIR")
     p.add_argument("--draft", default=None, metavar="DIR",
@@ -192,6 +195,7 @@ def load_model(args: argparse.Namespace) -> tuple[AsyncLLMEngine, Tokenizer]:
                           max_model_len=getattr(args, "max_model_len", None),
                           quantization=getattr(args, "quantization", None),
                           quantization_group_size=getattr(args, "quantization_group_size", 128),
+                          quantize_head=getattr(args, "quantize_head", None),
                           speculative=getattr(args, "speculative", None), draft_model_dir=getattr(args, "draft", None),
                           num_speculative_tokens=getattr(args, "num_speculative_tokens", 4))
     engine = AsyncLLMEngine(LLMEngine(config), max_waiting=args.max_waiting)

@@ -288,6 +288,9 @@ class EngineConfig:
     # of `quantization_group_size` input features. Activations and the KV cache stay in `dtype`.
     quantization: str | None = None
     quantization_group_size: int = 128  # int4 only; must divide every quantized layer's in_features
+    # The lm_head read as int8 on CPU (the native VNNI GEMM; its full-precision weight stays for the embedding
+    # lookup): None = when the decoder layers are quantized (as llama.cpp's q8_0 quantizes the tied head).
+    quantize_head: bool | None = None
     # Speculative decoding (hosted/spec/): None = off; "ngram" = prompt lookup (n-grams of spec_ngram_max down
     # to spec_ngram_min tokens); "draft" = draft_model_dir, a small model with the same vocabulary (a draft
     # directory alone implies "draft"). Up to num_speculative_tokens drafts per decode per step, as many as

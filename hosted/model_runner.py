@@ -46,8 +46,10 @@ class ModelRunner:
         if self.device.type == "cpu":
             cpu_memory.tune_process_for(self.model)  # before packing: packed linears keep data pointers
         if self.device.type == "cpu" and os.environ.get("SWITCHYARD_CPU_PACKED_WEIGHTS", "1") != "0":
-            # CPU GEMMs with the weights packed once (more memory: a second copy of each fp32 weight).
-            added = self.model.prepack_weights()
+            # CPU GEMMs with the weights packed once (more memory: a second copy of each weight). Beside
+            # quantized decoder layers the lm_head (a fifth of SmolLM2's weights) is read as int8 too.
+            int8_head = config.quantize_head if config.quantize_head is not None else self.model.is_quantized()
+            added = self.model.prepack_weights(int8_head=int8_head)
             if added:
                 log.info("prepacked CPU weights: +%.1f MiB", added / (1 << 20))
         self.cos_sin = ops.rotary_cos_sin(model_config.head_dim, max_model_len, model_config.rope_theta,

@@ -33,7 +33,8 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_native.c")
+# cpu_lowp.c: the bf16 / int8 / int4 projections (kernels/cpu_lowp.py wraps them).
+SOURCES = (Path(__file__).with_name("cpu_native.c"), Path(__file__).with_name("cpu_lowp.c"))
 # Small-M linear: above this many rows MKL's GEMM wins (measured on the SmolLM-135M shapes).
 LINEAR_MAX_ROWS = 4
 _FLAGS = ["-O3", "-shared", "-fPIC", "-std=gnu11"]
@@ -81,7 +82,7 @@ def _resolve() -> tuple[ctypes.CDLL | None, str]:
         return None, "no C compiler found (set CC)"
     try:
         version = subprocess.run([compiler, "--version"], check=False, capture_output=True, text=True, timeout=30).stdout
-        source = SOURCE.read_bytes()
+        source = b"\0".join(p.read_bytes() for p in SOURCES)
     except (OSError, subprocess.SubprocessError) as exc:
         return None, f"{compiler}: {exc}"
     errors = []
@@ -108,7 +109,7 @@ def _compile(compiler: str, flags: list[str], path: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *flags, "-o", tmp, str(SOURCE), "-lm"], check=False, capture_output=True,
+        done = subprocess.run([compiler, *flags, "-o", tmp, *map(str, SOURCES), "-lm"], check=False, capture_output=True,
                               text=True, timeout=300)
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} {' '.join(flags)} failed: {done.stderr.strip()[-2000:]}")
@@ -161,6 +162,16 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sy_pack_panels_f32.restype = None
     lib.sy_gemm_panels_f32.argtypes = [p, i64, p, p, p, i64, i32, i64, i64, i32]
     lib.sy_gemm_panels_f32.restype = None
+    lib.sy_lowp_features.argtypes = []
+    lib.sy_lowp_features.restype = i32
+    lib.sy_quantize_rows_q8.argtypes = [p, i64, i32, i32, p, p, p]
+    lib.sy_quantize_rows_q8.restype = None
+    lib.sy_gemm_q8.argtypes = [p, p, p, i32, i32, p, p, p, p, i64, i64, i32]
+    lib.sy_gemm_q8.restype = i32
+    lib.sy_gemm_q4.argtypes = [p, p, p, i32, i32, p, p, i32, p, p, i64, i64, i32]
+    lib.sy_gemm_q4.restype = i32
+    lib.sy_gemm_bf16.argtypes = [p, i64, i32, i32, p, p, p, i64, i64, i32]
+    lib.sy_gemm_bf16.restype = i32
 
 
 # --------------------------------------------------------------------------- wrappers

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels import cpu_native, reference
+from kernels import cpu_lowp, cpu_native, reference
 
 _MODES = ("auto", "triton", "reference")
 _ENV_VAR = "SWITCHYARD_KERNELS"
@@ -100,7 +100,9 @@ class Kernels:
     apply_rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     linear: Callable[..., torch.Tensor]
-    prepack_linear: Callable[..., cpu_native.PackedLinear | None]
+    prepack_linear: Callable[..., cpu_native.PackedLinear | cpu_lowp.LowpStrips | None]
+    prepack_int8: Callable[..., cpu_lowp.Int8Strips | None]
+    prepack_int4: Callable[..., cpu_lowp.Int4Strips | None]
     int8_linear: Callable[..., torch.Tensor]
     int4_linear: Callable[..., torch.Tensor]
 
@@ -197,7 +199,7 @@ def _dense_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, packed:
     return F.linear(x, weight, bias)
 
 
-def _no_prepack(weight: Tensor, bias: Tensor | None = None) -> None:
+def _no_prepack(*args: object) -> None:
     return None
 
 
@@ -205,7 +207,8 @@ REFERENCE = _kernels(
     "reference", store_kv=reference.store_kv, paged_decode_attention=reference.paged_decode_attention,
     paged_prefill_attention=reference.paged_prefill_attention, rms_norm=reference.rms_norm,
     apply_rotary=reference.apply_rotary, silu_and_mul=reference.silu_and_mul, linear=_dense_linear,
-    prepack_linear=_no_prepack, int8_linear=reference.int8_linear, int4_linear=reference.int4_linear,
+    prepack_linear=_no_prepack, prepack_int8=_no_prepack, prepack_int4=_no_prepack,
+    int8_linear=reference.int8_linear, int4_linear=reference.int4_linear,
 )
 
 
@@ -214,7 +217,7 @@ def _triton_kernels(tk: ModuleType) -> Kernels:
         "triton", store_kv=tk.store_kv, paged_decode_attention=tk.paged_decode_attention,
         paged_prefill_attention=tk.paged_prefill_attention, rms_norm=tk.rms_norm, apply_rotary=tk.apply_rotary,
         silu_and_mul=reference.silu_and_mul, linear=_dense_linear, prepack_linear=_no_prepack,
-        int8_linear=tk.int8_linear, int4_linear=tk.int4_linear,
+        prepack_int8=_no_prepack, prepack_int4=_no_prepack, int8_linear=tk.int8_linear, int4_linear=tk.int4_linear,
     )
 
 
@@ -241,8 +244,12 @@ def _cpu_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     return F.linear(x, weight, bias) if out is None else out
 
 
-def _cpu_prepack(weight: Tensor, bias: Tensor | None = None) -> cpu_native.PackedLinear | None:
-    return None if weight.is_cuda else cpu_native.pack_linear(weight, bias)
+def _cpu_prepack(weight: Tensor, bias: Tensor | None = None) -> cpu_native.PackedLinear | cpu_lowp.LowpStrips | None:
+    if weight.is_cuda:
+        return None
+    if weight.dtype == torch.bfloat16:
+        return cpu_lowp.make_bf16(weight, bias)
+    return cpu_native.pack_linear(weight, bias)
 
 
 CPU = _kernels(
@@ -253,7 +260,9 @@ CPU = _kernels(
     apply_rotary=_native_first(cpu_native.apply_rotary, reference.apply_rotary),
     silu_and_mul=_native_first(cpu_native.silu_and_mul, reference.silu_and_mul),
     linear=_cpu_linear, prepack_linear=_cpu_prepack,
-    # (torch's aten._weight_int8pack_mm was measured 2-20x slower than the reference on this CPU.)
+    # Packed once per layer (Linear.prepack): VNNI int8 x int8 and int4 x int8 dot products. The reference
+    # below serves unpacked layers (torch's aten._weight_int8pack_mm was measured 2-20x slower than it).
+    prepack_int8=cpu_lowp.make_int8, prepack_int4=cpu_lowp.make_int4,
     int8_linear=reference.int8_linear, int4_linear=reference.int4_linear,
 )
 

@@ -3,7 +3,8 @@ packed for the CPU GEMM.
 
 Quantization lives only here: `quantize_model` converts every Linear of a loaded model (except the ones
 named in `skip`, by default the lm_head) in place; the forward then calls the backend's int8_linear /
-int4_linear (Triton on CUDA, the torch reference elsewhere). Packing too: `prepack()` keeps a copy of a
+int4_linear (Triton on CUDA, the torch reference elsewhere), or on CPU the native strips `prepack()` made
+(kernels/cpu_lowp.py: VNNI int8/int4, AVX512-BF16). Packing too: `prepack()` keeps a copy of a
 full-precision weight in the CPU GEMM's layout (kernels.ops.prepack_linear) that the forward then uses.
 `TiedHead` is the same projection over a weight another layer owns (an lm_head tied to the embedding).
 """
@@ -16,10 +17,13 @@ from torch import nn
 from tqdm import tqdm
 
 from hosted.config import INT4_GROUP_SIZES, QUANTIZATION_SCHEMES, ConfigError
-from kernels import ops
+from kernels import ops, reference
+from kernels.cpu_lowp import LowpStrips
 from kernels.cpu_native import PackedLinear
 
 log = logging.getLogger(__name__)
+# An int8 copy of a full-precision head, for its packed GEMM only (the layer itself is not quantized).
+_int8_copy = reference.quantize_int8
 
 
 class Linear(nn.Module):
@@ -39,7 +43,7 @@ class Linear(nn.Module):
                  dtype: torch.dtype, device: torch.device, kernels: ops.Kernels | None = None) -> None:
         super().__init__()
         self.kernels = kernels if kernels is not None else ops.select(device)
-        self.packed: PackedLinear | None = None  # set by prepack()
+        self.packed: PackedLinear | LowpStrips | None = None  # set by prepack()
         self.shard_sizes = list(out_features) if isinstance(out_features, list) else [out_features]
         self.in_features = in_features
         self.out_features = sum(self.shard_sizes)
@@ -99,19 +103,28 @@ class Linear(nn.Module):
             self.group_size = group_size
         self.quantization = scheme
 
-    def prepack(self) -> int:
-        """Keep a copy of the full-precision weight in the CPU GEMM's layout for the forward to use; returns
-        the bytes it adds (0 where packing does not apply: quantized, CUDA, other dtypes). The weight must not
-        be replaced afterwards."""
-        if self.quantization is not None:
-            return 0
-        self.packed = self.kernels.prepack_linear(self.weight, self.bias)
+    def prepack(self, int8_copy: bool = False) -> int:
+        """Keep a copy of the weight in the layout of the backend's native GEMM for the forward to use
+        (kernels.ops.prepack_linear / prepack_int8 / prepack_int4: fp32 panels, bf16 / int8 / int4 strips);
+        returns the bytes it adds (0 where packing does not apply: CUDA, shapes or builds the kernels do not
+        take). `int8_copy` packs an int8 quantization of a full-precision weight instead (an lm_head beside
+        quantized decoder layers, as llama.cpp's q8_0 does). The weights must not be replaced afterwards."""
+        if self.quantization == "int8":
+            self.packed = self.kernels.prepack_int8(self.qweight, self.scales, self.bias)
+        elif self.quantization == "int4":
+            self.packed = self.kernels.prepack_int4(self.qweight, self.scales, self.zeros, self.group_size, self.bias)
+        elif int8_copy:
+            self.packed = self.kernels.prepack_int8(*_int8_copy(self.weight), self.bias)
+        else:
+            self.packed = self.kernels.prepack_linear(self.weight, self.bias)
         return self.packed.extra_bytes if self.packed is not None else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantization is None:
             return self.kernels.linear(x, self.weight, self.bias, self.packed)
         x2 = x.reshape(-1, self.in_features)
+        if self.packed is not None:
+            return self.packed(x2).view(*x.shape[:-1], self.out_features)
         if self.quantization == "int8":
             out = self.kernels.int8_linear(x2, self.qweight, self.scales, self.bias)
         else:
@@ -131,10 +144,13 @@ class TiedHead:
     def __init__(self, owner: nn.Module, kernels: ops.Kernels) -> None:
         self.owner = owner  # read `owner.weight` at each call: the runner may move parameters to new storage
         self.kernels = kernels
-        self.packed: PackedLinear | None = None
+        self.packed: PackedLinear | LowpStrips | None = None
 
-    def prepack(self) -> int:
-        self.packed = self.kernels.prepack_linear(self.owner.weight, None)
+    def prepack(self, int8_copy: bool = False) -> int:
+        """As Linear.prepack (`int8_copy`: an int8 quantization of the table, the table itself stays)."""
+        weight = self.owner.weight
+        self.packed = (self.kernels.prepack_int8(*_int8_copy(weight), None) if int8_copy
+                       else self.kernels.prepack_linear(weight, None))
         return self.packed.extra_bytes if self.packed is not None else 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -113,11 +113,16 @@ class LlamaForCausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def prepack_weights(self) -> int:
-        """Pack every full-precision projection (and the lm_head) for the CPU GEMM (Linear.prepack); returns
-        the bytes the copies add. The weights must not be replaced afterwards."""
-        added = sum(m.prepack() for m in self.modules() if isinstance(m, Linear))
-        return added + (self.tied_head.prepack() if self.tied_head is not None else 0)
+    def prepack_weights(self, int8_head: bool = False) -> int:
+        """Pack every projection (and the lm_head) for the backend's native GEMMs (Linear.prepack); with
+        `int8_head` the lm_head is packed as an int8 quantization of itself. Returns the bytes the copies add.
+        The weights must not be replaced afterwards."""
+        added = sum(m.prepack(int8_copy=int8_head and m is self.lm_head) for m in self.modules()
+                    if isinstance(m, Linear))
+        return added + (self.tied_head.prepack(int8_copy=int8_head) if self.tied_head is not None else 0)
+
+    def is_quantized(self) -> bool:
+        return any(m.quantization is not None for m in self.modules() if isinstance(m, Linear))
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.layers]

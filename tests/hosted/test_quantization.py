@@ -112,7 +112,10 @@ def _dequantized_checkpoint(src: str, dst: Path, scheme: str, group_size: int) -
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 @pytest.mark.parametrize("scheme,group_size", [("int8", 128), ("int4", 128), ("int4", 32)])
 def test_quantized_engine_equals_fp32_engine_on_dequantized_weights(model_dirs, tmp_path, kind, scheme,
-                                                                    group_size):
+                                                                    group_size, monkeypatch):
+    # The weight-only path (no packed native GEMMs, which also round activations to int8 and the lm_head:
+    # test_native_low_precision_path_close_to_the_weight_only_one covers those).
+    monkeypatch.setenv("SWITCHYARD_CPU_PACKED_WEIGHTS", "0")
     prompts = _prompts(8, seed=1)
     quant = _next_token_logits(_engine(model_dirs[kind], quantization=scheme, quantization_group_size=group_size),
                                prompts)
@@ -120,6 +123,30 @@ def test_quantized_engine_equals_fp32_engine_on_dequantized_weights(model_dirs, 
     want = _next_token_logits(_engine(deq_dir), prompts)
     # Same weights, same fp32 math; only the summation order differs (int8: scale applied after the dot).
     torch.testing.assert_close(quant, want, rtol=0, atol=1e-4 * float(want.std()))
+
+
+@pytest.mark.parametrize("scheme,group_size", [("int8", 128), ("int4", 32), ("int4", 128)])
+def test_native_low_precision_path_close_to_the_weight_only_one(model_dirs, scheme, group_size, monkeypatch):
+    """The packed VNNI GEMMs (activations rounded to int8 per block of 32, lm_head int8) against the same
+    quantized weights through the torch reference (activations and head in fp32)."""
+    from kernels import cpu_lowp
+
+    if not cpu_lowp.features() & cpu_lowp.FEATURE_VNNI:
+        pytest.skip("this CPU or build has no AVX512-VNNI kernels")
+    prompts = _prompts(16, seed=5)
+    native_engine = _engine(model_dirs["llama"], quantization=scheme, quantization_group_size=group_size)
+    layer = native_engine.runner.model.layers[0].mlp.down_proj
+    assert type(layer.packed).__name__ == ("Int8Strips" if scheme == "int8" else "Int4Strips")
+    assert type(native_engine.runner.model.lm_head.packed).__name__ == "Int8Strips"
+    native = _next_token_logits(native_engine, prompts)
+    monkeypatch.setenv("SWITCHYARD_CPU_PACKED_WEIGHTS", "0")
+    weight_only = _next_token_logits(_engine(model_dirs["llama"], quantization=scheme,
+                                             quantization_group_size=group_size), prompts)
+    m = _compare(weight_only, native)
+    # Measured on these random models: max ~0.02-0.03, rms ~0.006 (activation rounding ~1/254 of a block's
+    # largest value per layer). Stated tolerance: max <= 0.08, rms <= 0.02, same choice on >= 85% of prompts.
+    assert m["max_rel"] <= 0.08 and m["rms_rel"] <= 0.02 and m["top1_agree"] >= 0.85, m
+    assert m["rms_rel"] > 0, m  # the native path really ran (it rounds activations)
 
 
 # -------------------------------------------------------------------------------------------- accuracy
@@ -341,9 +368,10 @@ def _tokens_and_logits(engine: LLMEngine) -> tuple[list[list[int]], torch.Tensor
 
 
 @pytest.mark.timeout(240)
-def test_quantized_engine_through_the_triton_kernels_under_the_interpreter(model_dirs):
+def test_quantized_engine_through_the_triton_kernels_under_the_interpreter(model_dirs, monkeypatch):
     """The Triton int8/int4 matmuls (tiled for the 6-token prefill, GEMV for decode) inside the engine, run
-    by the Triton interpreter: same tokens and logits as the reference path."""
+    by the Triton interpreter: same tokens and logits as the reference path (weight-only: the CPU's packed
+    VNNI GEMMs also round activations)."""
     import os
     import subprocess
     import sys
@@ -353,6 +381,7 @@ def test_quantized_engine_through_the_triton_kernels_under_the_interpreter(model
     except Exception as exc:  # noqa: BLE001 - any import failure means the path is not there
         pytest.skip(f"kernels Triton path not importable: {exc}")
     env = {**os.environ, "SWITCHYARD_KERNELS": "triton", "TRITON_INTERPRET": "1"}
+    monkeypatch.setenv("SWITCHYARD_CPU_PACKED_WEIGHTS", "0")
     proc = subprocess.run([sys.executable, "-c", _TRITON_SCRIPT, model_dirs["llama"]], check=False, env=env,
                           capture_output=True, text=True, timeout=220)
     assert proc.returncode == 0, proc.stderr[-3000:]

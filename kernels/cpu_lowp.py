@@ -1,0 +1,218 @@
+"""bf16 / int8 / int4 projections on CPU through the native kernels of cpu_lowp.c (AVX512-BF16 and VNNI dot
+products), with weights packed once into the 16-row strips those kernels read.
+
+  Int8Strips   int8 weights per output row (kernels.reference.quantize_int8), activations quantized per
+               block of 32 per token on the fly, u8 x s8 VNNI dot products (llama.cpp's q8_0 x q8_0 idea)
+  Int4Strips   4-bit weights per group with scale and zero point (kernels.reference.quantize_int4, GGUF Q4
+               blocks), nibbles widened inside the dot-product loop: nothing is dequantized to memory
+  BF16Strips   bf16 weights, bf16 activations (fp32 inputs are rounded to bf16 first), fp32 accumulation
+
+Each packs at construction (`make_*` return None where the kernel cannot take the layer: no such
+instructions in this build, or K not a multiple of 32 for int8/int4) and is then called like a layer:
+strips(x [M, K]) -> [M, N] in x's dtype. The packed copy is what the forward reads; the layer keeps its own
+tensors (checkpoint saving, other backends). Outputs match the dequantized matmul up to the activation
+rounding (int8 per block of 32, or bf16) and fp32 summation order; tests/test_kernels_lowp.py checks both.
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import torch
+
+from kernels import cpu_native
+
+_F32, _BF16 = torch.float32, torch.bfloat16
+QBLOCK = 32  # activation block of sy_quantize_rows_q8 (as in cpu_lowp.c)
+FEATURE_VNNI, FEATURE_BF16 = 1, 2
+
+
+def features() -> int:
+    """Bit set of the low-precision kernels this build has (0 without the native library)."""
+    lib = cpu_native.library()
+    return 0 if lib is None else int(lib.sy_lowp_features())
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    if t.shape[0] == rows:
+        return t
+    pad = torch.zeros((rows - t.shape[0], *t.shape[1:]), dtype=t.dtype)
+    return torch.cat([t, pad])
+
+
+def _padded_bias(bias: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+    return None if bias is None else _pad_rows(bias.detach().float().reshape(-1), rows).contiguous()
+
+
+class _Scratch(threading.local):
+    """Per-thread buffers for the quantized activations of one call (used before the call returns)."""
+
+    def __init__(self) -> None:
+        self.xq: torch.Tensor | None = None
+        self.scales: torch.Tensor | None = None
+
+    def get(self, rows: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        blocks = rows * (k // QBLOCK)
+        if self.xq is None or self.xq.numel() < rows * k:
+            self.xq = torch.empty(max(rows * k, 1 << 16), dtype=torch.int8)
+        if self.scales is None or self.scales.numel() < 2 * blocks:
+            self.scales = torch.empty(max(2 * blocks, 1 << 12), dtype=_F32)
+        return self.xq, self.scales[:blocks], self.scales[blocks:2 * blocks]
+
+
+_scratch = _Scratch()
+
+
+class _Strips:
+    """What the three packed forms share: shapes, bias, the call's argument checks."""
+
+    __slots__ = ("bias", "k", "n", "packed", "_bias_p", "_lib", "_packed_p")
+
+    def __init__(self, n: int, k: int, packed: torch.Tensor, bias: torch.Tensor | None, lib: ctypes.CDLL) -> None:
+        self.n, self.k, self.packed, self._lib = n, k, packed, lib
+        self.bias = _padded_bias(bias, -(-n // 16) * 16)
+        self._bias_p = self.bias.data_ptr() if self.bias is not None else None
+        self._packed_p = packed.data_ptr()
+
+    @property
+    def extra_bytes(self) -> int:
+        """Memory the packed copy takes."""
+        return sum(t.numel() * t.element_size() for t in self._tensors())
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [self.packed] + ([self.bias] if self.bias is not None else [])
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.shape[-1] != self.k:
+            raise ValueError(f"linear: input has {x2.shape[-1]} features, the layer takes {self.k}")
+        return x2
+
+
+class _QuantStrips(_Strips):
+    __slots__ = ()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = self._rows(x)
+        rows = x2.shape[0]
+        y = torch.empty(rows, self.n, dtype=_F32)
+        if rows:
+            xf = x2 if x2.dtype == _F32 and x2.stride(1) == 1 else x2.float().contiguous()
+            xq, xs, xsum = _scratch.get(rows, self.k)
+            self._lib.sy_quantize_rows_q8(xf.data_ptr(), xf.stride(0), rows, self.k, xq.data_ptr(), xs.data_ptr(),
+                                          xsum.data_ptr())
+            rc = self._gemm(xq, xs, xsum, rows, y)
+            if rc:
+                raise RuntimeError(f"native low-precision GEMM failed (rc={rc})")
+        return y if x.dtype == _F32 else y.to(x.dtype)
+
+
+class Int8Strips(_QuantStrips):
+    __slots__ = ("scales", "_scales_p")
+
+    def __init__(self, w_q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                 lib: ctypes.CDLL) -> None:
+        n, k = w_q.shape
+        strips = -(-n // 16)
+        q = _pad_rows(w_q.detach(), strips * 16)
+        # + 128 as unsigned (the u8 operand of vpdpbusd); the kernel takes 128 * sum(x) back per block
+        unsigned = (q.to(torch.int16) + 128).to(torch.uint8)
+        packed = unsigned.view(strips, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+        super().__init__(n, k, packed, bias, lib)
+        self.scales = _pad_rows(scales.detach().float().reshape(-1), strips * 16).contiguous()
+        self._scales_p = self.scales.data_ptr()
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return super()._tensors() + [self.scales]
+
+    def _gemm(self, xq, xs, xsum, rows, y) -> int:
+        return self._lib.sy_gemm_q8(xq.data_ptr(), xs.data_ptr(), xsum.data_ptr(), rows, self.k, self._packed_p,
+                                    self._scales_p, self._bias_p, y.data_ptr(), y.stride(0), self.n,
+                                    torch.get_num_threads())
+
+
+class Int4Strips(_QuantStrips):
+    __slots__ = ("group_size", "sz", "_sz_p")
+
+    def __init__(self, w_packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int,
+                 bias: torch.Tensor | None, lib: ctypes.CDLL) -> None:
+        n, half = w_packed.shape
+        k, strips = half * 2, -(-n // 16)
+        q = torch.empty(n, k, dtype=torch.uint8)
+        q[:, 0::2] = w_packed & 0x0F
+        q[:, 1::2] = w_packed >> 4
+        q = _pad_rows(q, strips * 16).view(strips, 16, k // 8, 2, 4)
+        packed = (q[:, :, :, 0, :] | (q[:, :, :, 1, :] << 4)).permute(0, 2, 1, 3).contiguous()
+        super().__init__(n, k, packed, bias, lib)
+        groups = k // group_size
+        s = _pad_rows(scales.detach().float().reshape(n, groups), strips * 16)
+        z = (_pad_rows(zeros.detach().float().reshape(n, groups), strips * 16) if zeros is not None
+             else torch.full_like(s, 8.0))
+        per_strip = lambda t: t.view(strips, 16, groups).permute(0, 2, 1)  # noqa: E731  [strips, groups, 16]
+        self.sz = torch.stack([per_strip(s), per_strip(s * z)], dim=2).contiguous()  # [strips, groups, 2, 16]
+        self.group_size = group_size
+        self._sz_p = self.sz.data_ptr()
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return super()._tensors() + [self.sz]
+
+    def _gemm(self, xq, xs, xsum, rows, y) -> int:
+        return self._lib.sy_gemm_q4(xq.data_ptr(), xs.data_ptr(), xsum.data_ptr(), rows, self.k, self._packed_p,
+                                    self._sz_p, self.group_size, self._bias_p, y.data_ptr(), y.stride(0), self.n,
+                                    torch.get_num_threads())
+
+
+class BF16Strips(_Strips):
+    __slots__ = ()
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lib: ctypes.CDLL) -> None:
+        n, k = weight.shape
+        strips = -(-n // 16)
+        w = _pad_rows(weight.detach().to(_BF16), strips * 16)
+        packed = w.view(strips, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+        super().__init__(n, k, packed, bias, lib)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = self._rows(x)
+        rows = x2.shape[0]
+        y = torch.empty(rows, self.n, dtype=_F32)
+        if rows:
+            xb = x2 if x2.dtype == _BF16 and x2.stride(1) == 1 else x2.to(_BF16).contiguous()
+            rc = self._lib.sy_gemm_bf16(xb.data_ptr(), xb.stride(0), rows, self.k, self._packed_p, self._bias_p,
+                                        y.data_ptr(), y.stride(0), self.n, torch.get_num_threads())
+            if rc:
+                raise RuntimeError(f"native bf16 GEMM failed (rc={rc})")
+        return y if x.dtype == _F32 else y.to(x.dtype)
+
+
+def _usable(tensor: torch.Tensor, feature: int) -> ctypes.CDLL | None:
+    if tensor.device.type != "cpu":
+        return None
+    lib = cpu_native.library()
+    return lib if lib is not None and lib.sy_lowp_features() & feature else None
+
+
+LowpStrips = Int8Strips | Int4Strips | BF16Strips
+
+
+def make_int8(w_q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Strips | None:
+    lib = _usable(w_q, FEATURE_VNNI)
+    if lib is None or w_q.dim() != 2 or w_q.shape[1] % QBLOCK or w_q.dtype != torch.int8:
+        return None
+    return Int8Strips(w_q, scales, bias, lib)
+
+
+def make_int4(w_packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int,
+              bias: torch.Tensor | None = None) -> Int4Strips | None:
+    lib = _usable(w_packed, FEATURE_VNNI)
+    k = w_packed.shape[1] * 2 if w_packed.dim() == 2 else 0
+    if lib is None or not k or group_size % QBLOCK or k % group_size or w_packed.dtype != torch.uint8:
+        return None
+    return Int4Strips(w_packed, scales, zeros, group_size, bias, lib)
+
+
+def make_bf16(weight: torch.Tensor, bias: torch.Tensor | None = None) -> BF16Strips | None:
+    lib = _usable(weight, FEATURE_BF16)
+    if lib is None or weight.dim() != 2 or weight.shape[1] % 2:
+        return None
+    return BF16Strips(weight, bias, lib)

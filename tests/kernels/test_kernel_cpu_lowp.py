@@ -1,0 +1,163 @@
+"""The native bf16 / int8 / int4 projections (kernels/cpu_lowp.py) against the torch reference (the dequantized
+matmul) and against a float64 formulation of exactly what they compute (activations rounded per block of 32,
+or to bf16), plus their dispatch through Linear.prepack and their fallbacks."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_lowp, cpu_native, ops, reference
+
+torch.set_num_threads(2)
+
+HAVE_COMPILER = any(shutil.which(c) for c in ("cc", "gcc", "clang"))
+pytestmark = pytest.mark.skipif(not HAVE_COMPILER, reason="no C compiler on this machine: the native path is off")
+SHAPES = [(1, 576, 576), (2, 48, 64), (3, 70, 96), (4, 1536, 576), (5, 576, 1536), (9, 33, 128), (64, 200, 576)]
+
+
+@pytest.fixture(autouse=True)
+def _native_on(monkeypatch):
+    monkeypatch.delenv("SWITCHYARD_CPU_NATIVE", raising=False)
+    monkeypatch.delenv("SWITCHYARD_KERNELS", raising=False)
+    cpu_native.reset()
+    yield
+    cpu_native.reset()
+
+
+def _need(feature: int) -> None:
+    if not cpu_lowp.features() & feature:
+        pytest.skip("this CPU or compiler lacks the instructions (the engine uses the torch reference)")
+
+
+def _rounded_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernels see it: int8 per block of 32 along K, scale = block max / 127, round half to even."""
+    blocks = x.double().reshape(x.shape[0], -1, 32)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(scale > 0, torch.round(blocks / torch.where(scale > 0, scale, 1)), 0).clamp(-127, 127)
+    return (q * scale).reshape(x.shape)
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want.double()).abs().max() / want.double().abs().max())
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_int8_matches_float64_of_its_math_and_the_reference(m, n, k, with_bias):
+    _need(cpu_lowp.FEATURE_VNNI)
+    torch.manual_seed(m * 1000 + n + k)
+    w, x = torch.randn(n, k), torch.randn(m, k)
+    bias = torch.randn(n) if with_bias else None
+    q, s = reference.quantize_int8(w)
+    got = cpu_lowp.make_int8(q, s, bias)(x)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    exact = _rounded_activations(x) @ reference.dequantize_int8(q, s).double().t()
+    if bias is not None:
+        exact += bias.double()
+    assert _rel(got, exact) < 2e-6  # fp32 sums of exact integer dot products
+    # The dequantized matmul (fp32 activations): activation rounding only, ~1/254 of a block's max.
+    assert _rel(got, reference.int8_linear(x, q, s, bias)) < 0.02
+
+
+@pytest.mark.parametrize("m,n,k,group_size", [(*shape, g) for shape in SHAPES for g in (32, 64, 128)
+                                               if shape[2] % g == 0])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_int4_matches_float64_of_its_math_and_the_reference(m, n, k, group_size, symmetric):
+    _need(cpu_lowp.FEATURE_VNNI)
+    torch.manual_seed(m * 1000 + n + k + group_size)
+    w, x, bias = torch.randn(n, k), torch.randn(m, k), torch.randn(n)
+    packed, scales, zeros = reference.quantize_int4(w, group_size, symmetric)
+    got = cpu_lowp.make_int4(packed, scales, zeros, group_size, bias)(x)
+    deq = reference.dequantize_int4(packed, scales, zeros, group_size).double()
+    exact = _rounded_activations(x) @ deq.t() + bias.double()
+    assert _rel(got, exact) < 5e-6
+    assert _rel(got, reference.int4_linear(x, packed, scales, zeros, group_size, bias)) < 0.02
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_bf16_matches_float64_and_torch(m, n, k):
+    _need(cpu_lowp.FEATURE_BF16)
+    torch.manual_seed(m + n + k)
+    w, x, bias = torch.randn(n, k).bfloat16(), torch.randn(m, k), torch.randn(n)
+    strips = cpu_lowp.make_bf16(w, bias)
+    exact = x.bfloat16().double() @ w.double().t() + bias.double()
+    got = strips(x)  # fp32 in: rounded to bf16, fp32 out
+    assert got.dtype == torch.float32 and _rel(got, exact) < 2e-6
+    got_bf16 = strips(x.bfloat16())  # a bf16 model: bf16 in and out
+    assert got_bf16.dtype == torch.bfloat16
+    torch.testing.assert_close(got_bf16, F.linear(x.bfloat16(), w, bias.bfloat16()), rtol=2e-2, atol=2e-2)
+
+
+def test_strided_rows_threads_and_empty_input():
+    _need(cpu_lowp.FEATURE_VNNI | cpu_lowp.FEATURE_BF16)
+    torch.manual_seed(3)
+    w = torch.randn(300, 128)
+    q, s = reference.quantize_int8(w)
+    strips = cpu_lowp.make_int8(q, s)
+    base = torch.randn(40, 256)
+    x = base[:, :128]  # row stride 256
+    want = strips(x.contiguous())
+    torch.testing.assert_close(strips(x), want, rtol=0, atol=0)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = strips(x)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(one, want, rtol=0, atol=0)  # each output is one sum, whatever the split
+    assert strips(torch.empty(0, 128)).shape == (0, 300)
+    with pytest.raises(ValueError, match="128"):
+        strips(torch.randn(2, 64))
+
+
+def test_shapes_the_kernels_do_not_take_fall_back():
+    q, s = reference.quantize_int8(torch.randn(16, 40))  # K not a multiple of 32
+    assert cpu_lowp.make_int8(q, s) is None
+    packed, scales, zeros = reference.quantize_int4(torch.randn(16, 64), 32)
+    assert cpu_lowp.make_int4(packed, scales, zeros, 32) is not None or not cpu_lowp.features()
+
+
+def test_disabled_native_library_gives_no_strips(monkeypatch):
+    monkeypatch.setenv("SWITCHYARD_CPU_NATIVE", "0")
+    cpu_native.reset()
+    assert cpu_lowp.features() == 0
+    q, s = reference.quantize_int8(torch.randn(32, 64))
+    assert cpu_lowp.make_int8(q, s) is None
+    assert ops.CPU.prepack_int8(q, s, None) is None
+    assert cpu_lowp.make_bf16(torch.randn(32, 64).bfloat16()) is None
+
+
+def test_linear_layers_pack_each_precision_and_keep_their_results():
+    from hosted.layers.linear import Linear, TiedHead
+
+    _need(cpu_lowp.FEATURE_VNNI | cpu_lowp.FEATURE_BF16)
+    torch.manual_seed(5)
+    x = torch.randn(3, 64)
+    for scheme in ("int8", "int4"):
+        layer = Linear(64, [40, 24], True, torch.float32, torch.device("cpu"), ops.CPU)
+        layer.weight.copy_(torch.randn(64, 64))
+        layer.bias.copy_(torch.randn(64))
+        layer.quantize_(scheme, 32)
+        want = layer.forward(x)  # not packed: the reference int8_linear / int4_linear
+        assert layer.prepack() > 0 and layer.packed is not None
+        torch.testing.assert_close(layer.forward(x), want, rtol=0, atol=0.03 * float(want.abs().max()))
+    dense = Linear(64, 48, False, torch.bfloat16, torch.device("cpu"), ops.CPU)
+    dense.weight.copy_(torch.randn(48, 64))
+    want = dense.forward(x.bfloat16())
+    dense.prepack()
+    assert isinstance(dense.packed, cpu_lowp.BF16Strips)
+    torch.testing.assert_close(dense.forward(x.bfloat16()), want, rtol=2e-2, atol=2e-2)
+    # A tied head packed as an int8 copy: the embedding table itself is untouched.
+    table = torch.nn.Embedding(96, 64)
+    table.weight.requires_grad_(False)
+    head = TiedHead(table, ops.CPU)
+    before = table.weight.clone()
+    head.prepack(int8_copy=True)
+    assert isinstance(head.packed, cpu_lowp.Int8Strips)
+    assert torch.equal(table.weight, before)
+    want = x @ table.weight.t()
+    assert _rel(head(x), want) < 0.02
