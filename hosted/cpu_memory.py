@@ -8,6 +8,8 @@ import sys
 
 import torch
 
+from kernels.huge_pages import HUGE_PAGE, empty_on_huge_pages
+
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 _MMAP_THRESHOLD_MAX = 32 << 20  # glibc's upper limit for M_MMAP_THRESHOLD on 64-bit
 
@@ -27,33 +29,13 @@ def keep_freed_heap_memory() -> None:
         pass
 
 
-_HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14
-
-
-def _cpu_empty_on_huge_pages(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A flat, untouched CPU tensor that Linux may back with 2 MiB pages: madvise(MADV_HUGEPAGE) before the
-    first touch. Where madvise is unavailable it is a plain torch.empty."""
-    t = torch.empty(numel, dtype=dtype)
-    nbytes = numel * t.element_size()
-    if sys.platform.startswith("linux") and nbytes >= 2 * _HUGE_PAGE:
-        start = -(-t.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
-        end = (t.data_ptr() + nbytes) // _HUGE_PAGE * _HUGE_PAGE
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)
-        except (OSError, AttributeError):  # not glibc / no madvise: plain pages
-            pass
-    return t
-
-
 def cpu_zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """The KV pool: decode attention reads blocks scattered over all of it; with 4 KiB pages nearly every
     block costs TLB misses (~20% slower reads measured here)."""
     numel = 1
     for n in shape:
         numel *= n
-    return _cpu_empty_on_huge_pages(numel, dtype).zero_().view(shape)
+    return empty_on_huge_pages(numel, dtype).zero_().view(shape)
 
 
 _MOVE_CHUNK_BYTES = 256 << 20  # parameters are moved a chunk at a time: the extra memory while moving
@@ -82,9 +64,9 @@ def move_parameters_to_huge_pages(model: torch.nn.Module) -> None:
 def _move_group(params: list[torch.nn.Parameter]) -> None:
     align = 64  # elements: keeps every parameter's start cache-line aligned
     sizes = [-(-p.numel() // align) * align for p in params]
-    if not params or sum(sizes) * params[0].element_size() < 4 * _HUGE_PAGE:
+    if not params or sum(sizes) * params[0].element_size() < 4 * HUGE_PAGE:
         return
-    flat = _cpu_empty_on_huge_pages(sum(sizes), params[0].dtype)
+    flat = empty_on_huge_pages(sum(sizes), params[0].dtype)
     offset = 0
     with torch.no_grad():
         for p, size in zip(params, sizes):

@@ -3,6 +3,7 @@
  *   sy_quantize_rows_q8  fp32 activations -> int8 per block of 32 (a scale per block, as llama.cpp's q8_0)
  *   sy_gemm_q8           y = x W^T, W int8 per output row (symmetric), x quantized by sy_quantize_rows_q8
  *   sy_gemm_q4           y = x W^T, W 4-bit per group along K with a scale and zero point per group
+ *   sy_linear_q8/_q4     the two above in one call from fp32 x (the engine's entry points)
  *   sy_gemm_bf16         y = x W^T, W bf16, x bf16 (or fp32, rounded to bf16 first), fp32 accumulation
  *
  * Weights are stored in strips of 16 output rows, interleaved so that one 64-byte load holds the next few k
@@ -31,6 +32,24 @@
 #endif
 
 #define QBLOCK 32 /* activation quantization block (k values per scale) */
+
+#if defined(SY_HAVE_VNNI) || defined(SY_HAVE_BF16)
+/* Ask for the weight bytes PREFETCH_AHEAD past the `bytes` about to be read: each thread reads NS strips side
+ * by side, more concurrent streams than the hardware prefetcher keeps ahead of. */
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD 2048
+#endif
+static inline void prefetch_ahead(const void *p, int bytes) {
+    for (int c = 0; c < bytes; c += 64) __builtin_prefetch((const char *)p + PREFETCH_AHEAD + c, 0, 0);
+}
+
+static inline void store_cols(float *y, __m512 v, int ncols) {
+    if (ncols >= 16)
+        _mm512_storeu_ps(y, v);
+    else
+        _mm512_mask_storeu_ps(y, (__mmask16)((1u << ncols) - 1), v);
+}
+#endif
 
 int sy_lowp_features(void) {
     int f = 0;
@@ -72,13 +91,6 @@ void sy_quantize_rows_q8(const float *x, int64_t x_stride, int M, int K, int8_t 
         }
 }
 
-static inline void store_cols(float *y, __m512 v, int ncols) {
-    if (ncols >= 16)
-        _mm512_storeu_ps(y, v);
-    else
-        _mm512_mask_storeu_ps(y, (__mmask16)((1u << ncols) - 1), v);
-}
-
 /* One register tile of the int8 GEMM: MR rows of x times NS strips (16 outputs each). */
 static inline __attribute__((always_inline)) void q8_tile(const int8_t *xq, const float *xs, const float *xsum,
                                                           int K, int MR, int NS, const uint8_t *w, int64_t strip,
@@ -95,6 +107,7 @@ static inline __attribute__((always_inline)) void q8_tile(const int8_t *xq, cons
         for (int r = 0; r < MR; r++)
             for (int s = 0; s < NS; s++) dot[r][s] = _mm512_setzero_si512();
         const uint8_t *wb = w + (int64_t)b * QBLOCK * 16;
+        for (int s = 0; s < NS; s++) prefetch_ahead(wb + s * strip, QBLOCK * 16);
         for (int t = 0; t < QBLOCK / 4; t++) {
             __m512i wv[4];
             for (int s = 0; s < NS; s++) wv[s] = _mm512_loadu_si512(wb + s * strip + t * 64);
@@ -123,10 +136,11 @@ static inline __attribute__((always_inline)) void q8_tile(const int8_t *xq, cons
 }
 
 /* One register tile of the int4 GEMM; `gs` is the weight group size (a multiple of 32), sz the per-strip
- * [groups][2][16] table of scale and scale * zero. */
+ * [groups][2][16] table of fp16 scale and zero point (one 64-byte line per group and strip; fp16 as GGUF's
+ * Q4 blocks store them). */
 static inline __attribute__((always_inline)) void q4_tile(const int8_t *xq, const float *xs, const float *xsum,
                                                           int K, int MR, int NS, const uint8_t *w, int64_t strip,
-                                                          const float *sz, int64_t sz_strip, int gs,
+                                                          const uint16_t *sz, int64_t sz_strip, int gs,
                                                           const float *bias, float *y, int64_t ys, int ncols) {
     const int nb = K / QBLOCK;
     const __m512i low = _mm512_set1_epi8(0x0F);
@@ -138,6 +152,7 @@ static inline __attribute__((always_inline)) void q4_tile(const int8_t *xq, cons
         for (int r = 0; r < MR; r++)
             for (int s = 0; s < NS; s++) dot[r][s] = _mm512_setzero_si512();
         const uint8_t *wb = w + (int64_t)b * QBLOCK * 8;
+        for (int s = 0; s < NS; s++) prefetch_ahead(wb + s * strip, QBLOCK * 8);
         for (int t = 0; t < QBLOCK / 8; t++) {
             __m512i lo[4], hi[4];
             for (int s = 0; s < NS; s++) {
@@ -158,8 +173,9 @@ static inline __attribute__((always_inline)) void q4_tile(const int8_t *xq, cons
         }
         const int g = b * QBLOCK / gs;
         for (int s = 0; s < NS; s++) {
-            const __m512 sc = _mm512_loadu_ps(sz + s * sz_strip + g * 32);
-            const __m512 scz = _mm512_loadu_ps(sz + s * sz_strip + g * 32 + 16);
+            const uint16_t *line = sz + s * sz_strip + g * 32;
+            const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)line));
+            const __m512 scz = _mm512_mul_ps(sc, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(line + 16))));
             for (int r = 0; r < MR; r++) {
                 /* + scale * (sx dot(q, xq)) - scale * zero * (sx sum(xq)) */
                 const __m512 d = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r][s]), _mm512_set1_ps(xs[(int64_t)r * nb + b]));
@@ -184,6 +200,8 @@ static inline __attribute__((always_inline)) void bf16_tile(const uint16_t *x, i
     for (int r = 0; r < MR; r++)
         for (int s = 0; s < NS; s++) acc[r][s] = _mm512_setzero_ps();
     for (int t = 0; t < K / 2; t++) {
+        if (t % 16 == 0)
+            for (int s = 0; s < NS; s++) prefetch_ahead(w + s * strip + t * 32, 1024);
         __m512i wv[4];
         for (int s = 0; s < NS; s++) wv[s] = _mm512_loadu_si512(w + s * strip + t * 32);
         for (int r = 0; r < MR; r++) {
@@ -257,10 +275,29 @@ int sy_gemm_q8(const int8_t *xq, const float *xs, const float *xsum, int M, int 
 #endif
 }
 
+/* Scratch for sy_linear_q8 / sy_linear_q4: the int8 rows, then their block scales and scaled sums. */
+int64_t sy_q8_scratch_bytes(int M, int K) { return (int64_t)M * K + 8 * (int64_t)M * (K / QBLOCK) + 64; }
+
+static inline void q8_split(void *scratch, int M, int K, int8_t **xq, float **xs, float **xsum) {
+    *xq = (int8_t *)scratch;
+    *xs = (float *)(((uintptr_t)scratch + (uintptr_t)M * K + 63) & ~(uintptr_t)63);
+    *xsum = *xs + (int64_t)M * (K / QBLOCK);
+}
+
+/* As sy_gemm_q8 from fp32 x [M, K] (row stride x_stride): rounds x into scratch first, one call per layer. */
+int sy_linear_q8(const float *x, int64_t x_stride, int M, int K, void *scratch, const uint8_t *w,
+                 const float *scales, const float *bias, float *y, int64_t ys, int64_t N, int threads) {
+    int8_t *xq;
+    float *xs, *xsum;
+    q8_split(scratch, M, K, &xq, &xs, &xsum);
+    sy_quantize_rows_q8(x, x_stride, M, K, xq, xs, xsum);
+    return sy_gemm_q8(xq, xs, xsum, M, K, w, scales, bias, y, ys, N, threads);
+}
+
 /* As sy_gemm_q8 for 4-bit weights: strips [strips][K/8][64] (K * 8 bytes per strip), sz [strips][K/gs][2][16]
- * (scale, scale * zero), group size gs a multiple of 32 dividing K. */
+ * fp16 (scale, zero point), group size gs a multiple of 32 dividing K. */
 int sy_gemm_q4(const int8_t *xq, const float *xs, const float *xsum, int M, int K, const uint8_t *w,
-               const float *sz, int gs, const float *bias, float *y, int64_t ys, int64_t N, int threads) {
+               const uint16_t *sz, int gs, const float *bias, float *y, int64_t ys, int64_t N, int threads) {
 #ifdef SY_HAVE_VNNI
     if (gs % QBLOCK || K % gs) return 2;
     const int64_t strip = (int64_t)K * 8, sz_strip = (int64_t)(K / gs) * 32, nb = K / QBLOCK;
@@ -295,4 +332,14 @@ int sy_gemm_bf16(const uint16_t *x, int64_t xs, int M, int K, const uint16_t *w,
     (void)x, (void)xs, (void)M, (void)K, (void)w, (void)bias, (void)y, (void)ys, (void)N, (void)threads;
     return 2;
 #endif
+}
+
+/* As sy_gemm_q4 from fp32 x, as sy_linear_q8. */
+int sy_linear_q4(const float *x, int64_t x_stride, int M, int K, void *scratch, const uint8_t *w, const uint16_t *sz,
+                 int gs, const float *bias, float *y, int64_t ys, int64_t N, int threads) {
+    int8_t *xq;
+    float *xs, *xsum;
+    q8_split(scratch, M, K, &xq, &xs, &xsum);
+    sy_quantize_rows_q8(x, x_stride, M, K, xq, xs, xsum);
+    return sy_gemm_q4(xq, xs, xsum, M, K, w, sz, gs, bias, y, ys, N, threads);
 }

@@ -4,7 +4,8 @@ products), with weights packed once into the 16-row strips those kernels read.
   Int8Strips   int8 weights per output row (kernels.reference.quantize_int8), activations quantized per
                block of 32 per token on the fly, u8 x s8 VNNI dot products (llama.cpp's q8_0 x q8_0 idea)
   Int4Strips   4-bit weights per group with scale and zero point (kernels.reference.quantize_int4, GGUF Q4
-               blocks), nibbles widened inside the dot-product loop: nothing is dequantized to memory
+               blocks), nibbles widened inside the dot-product loop: nothing is dequantized to memory; the
+               scales and zero points are kept as fp16 (as GGUF's Q4 blocks store them)
   BF16Strips   bf16 weights, bf16 activations (fp32 inputs are rounded to bf16 first), fp32 accumulation
 
 Each packs at construction (`make_*` return None where the kernel cannot take the layer: no such
@@ -45,19 +46,17 @@ def _padded_bias(bias: torch.Tensor | None, rows: int) -> torch.Tensor | None:
 
 
 class _Scratch(threading.local):
-    """Per-thread buffers for the quantized activations of one call (used before the call returns)."""
+    """Per-thread bytes for the int8-rounded activations of one call (used before the call returns)."""
 
     def __init__(self) -> None:
-        self.xq: torch.Tensor | None = None
-        self.scales: torch.Tensor | None = None
+        self.buf = torch.empty(1 << 16, dtype=torch.uint8)
+        self.ptr = self.buf.data_ptr()
 
-    def get(self, rows: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        blocks = rows * (k // QBLOCK)
-        if self.xq is None or self.xq.numel() < rows * k:
-            self.xq = torch.empty(max(rows * k, 1 << 16), dtype=torch.int8)
-        if self.scales is None or self.scales.numel() < 2 * blocks:
-            self.scales = torch.empty(max(2 * blocks, 1 << 12), dtype=_F32)
-        return self.xq, self.scales[:blocks], self.scales[blocks:2 * blocks]
+    def get(self, nbytes: int) -> int:
+        if self.buf.numel() < nbytes:
+            self.buf = torch.empty(nbytes, dtype=torch.uint8)
+            self.ptr = self.buf.data_ptr()
+        return self.ptr
 
 
 _scratch = _Scratch()
@@ -66,7 +65,7 @@ _scratch = _Scratch()
 class _Strips:
     """What the three packed forms share: shapes, bias, the call's argument checks."""
 
-    __slots__ = ("bias", "k", "n", "packed", "_bias_p", "_lib", "_packed_p")
+    __slots__ = ("_bias_p", "_lib", "_packed_p", "bias", "k", "n", "packed")
 
     def __init__(self, n: int, k: int, packed: torch.Tensor, bias: torch.Tensor | None, lib: ctypes.CDLL) -> None:
         self.n, self.k, self.packed, self._lib = n, k, packed, lib
@@ -82,6 +81,17 @@ class _Strips:
     def _tensors(self) -> list[torch.Tensor]:
         return [self.packed] + ([self.bias] if self.bias is not None else [])
 
+    def owned_tensors(self) -> list[torch.Tensor]:
+        return self._tensors()
+
+    def rebind(self, take) -> None:
+        """Point at copies of the packed tensors (kernels.huge_pages.move_packed_to_huge_pages)."""
+        self.packed = take(self.packed)
+        self._packed_p = self.packed.data_ptr()
+        if self.bias is not None:
+            self.bias = take(self.bias)
+            self._bias_p = self.bias.data_ptr()
+
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         if x2.shape[-1] != self.k:
@@ -93,22 +103,21 @@ class _QuantStrips(_Strips):
     __slots__ = ()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = self._rows(x)
+        x2 = x if x.dim() == 2 and x.shape[1] == self.k else self._rows(x)
         rows = x2.shape[0]
         y = torch.empty(rows, self.n, dtype=_F32)
         if rows:
-            xf = x2 if x2.dtype == _F32 and x2.stride(1) == 1 else x2.float().contiguous()
-            xq, xs, xsum = _scratch.get(rows, self.k)
-            self._lib.sy_quantize_rows_q8(xf.data_ptr(), xf.stride(0), rows, self.k, xq.data_ptr(), xs.data_ptr(),
-                                          xsum.data_ptr())
-            rc = self._gemm(xq, xs, xsum, rows, y)
+            if x2.dtype != _F32 or x2.stride(1) != 1:
+                x2 = x2.float().contiguous()
+            scratch = _scratch.get(rows * self.k + 8 * rows * (self.k // QBLOCK) + 64)  # sy_q8_scratch_bytes
+            rc = self._linear(x2, rows, scratch, y)
             if rc:
                 raise RuntimeError(f"native low-precision GEMM failed (rc={rc})")
         return y if x.dtype == _F32 else y.to(x.dtype)
 
 
 class Int8Strips(_QuantStrips):
-    __slots__ = ("scales", "_scales_p")
+    __slots__ = ("_scales_p", "scales")
 
     def __init__(self, w_q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
                  lib: ctypes.CDLL) -> None:
@@ -125,14 +134,19 @@ class Int8Strips(_QuantStrips):
     def _tensors(self) -> list[torch.Tensor]:
         return super()._tensors() + [self.scales]
 
-    def _gemm(self, xq, xs, xsum, rows, y) -> int:
-        return self._lib.sy_gemm_q8(xq.data_ptr(), xs.data_ptr(), xsum.data_ptr(), rows, self.k, self._packed_p,
-                                    self._scales_p, self._bias_p, y.data_ptr(), y.stride(0), self.n,
-                                    torch.get_num_threads())
+    def rebind(self, take) -> None:
+        super().rebind(take)
+        self.scales = take(self.scales)
+        self._scales_p = self.scales.data_ptr()
+
+    def _linear(self, x: torch.Tensor, rows: int, scratch: int, y: torch.Tensor) -> int:
+        return self._lib.sy_linear_q8(x.data_ptr(), x.stride(0), rows, self.k, scratch, self._packed_p,
+                                      self._scales_p, self._bias_p, y.data_ptr(), self.n, self.n,
+                                      torch.get_num_threads())
 
 
 class Int4Strips(_QuantStrips):
-    __slots__ = ("group_size", "sz", "_sz_p")
+    __slots__ = ("_sz_p", "group_size", "sz")
 
     def __init__(self, w_packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int,
                  bias: torch.Tensor | None, lib: ctypes.CDLL) -> None:
@@ -148,18 +162,25 @@ class Int4Strips(_QuantStrips):
         s = _pad_rows(scales.detach().float().reshape(n, groups), strips * 16)
         z = (_pad_rows(zeros.detach().float().reshape(n, groups), strips * 16) if zeros is not None
              else torch.full_like(s, 8.0))
-        per_strip = lambda t: t.view(strips, 16, groups).permute(0, 2, 1)  # noqa: E731  [strips, groups, 16]
-        self.sz = torch.stack([per_strip(s), per_strip(s * z)], dim=2).contiguous()  # [strips, groups, 2, 16]
+        per_strip = lambda t: t.view(strips, 16, groups).permute(0, 2, 1)
+        # [strips, groups, 2, 16] fp16 (scale, zero): one cache line per strip and group, 1/4 of the nibbles'
+        # bytes at g32 (fp32 scale and scale * zero took half)
+        self.sz = torch.stack([per_strip(s), per_strip(z)], dim=2).to(torch.float16).contiguous()
         self.group_size = group_size
         self._sz_p = self.sz.data_ptr()
 
     def _tensors(self) -> list[torch.Tensor]:
         return super()._tensors() + [self.sz]
 
-    def _gemm(self, xq, xs, xsum, rows, y) -> int:
-        return self._lib.sy_gemm_q4(xq.data_ptr(), xs.data_ptr(), xsum.data_ptr(), rows, self.k, self._packed_p,
-                                    self._sz_p, self.group_size, self._bias_p, y.data_ptr(), y.stride(0), self.n,
-                                    torch.get_num_threads())
+    def rebind(self, take) -> None:
+        super().rebind(take)
+        self.sz = take(self.sz)
+        self._sz_p = self.sz.data_ptr()
+
+    def _linear(self, x: torch.Tensor, rows: int, scratch: int, y: torch.Tensor) -> int:
+        return self._lib.sy_linear_q4(x.data_ptr(), x.stride(0), rows, self.k, scratch, self._packed_p,
+                                      self._sz_p, self.group_size, self._bias_p, y.data_ptr(), self.n, self.n,
+                                      torch.get_num_threads())
 
 
 class BF16Strips(_Strips):

@@ -170,6 +170,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sy_gemm_q8.restype = i32
     lib.sy_gemm_q4.argtypes = [p, p, p, i32, i32, p, p, i32, p, p, i64, i64, i32]
     lib.sy_gemm_q4.restype = i32
+    lib.sy_q8_scratch_bytes.argtypes = [i32, i32]
+    lib.sy_q8_scratch_bytes.restype = i64
+    lib.sy_linear_q8.argtypes = [p, i64, i32, i32, p, p, p, p, p, i64, i64, i32]
+    lib.sy_linear_q8.restype = i32
+    lib.sy_linear_q4.argtypes = [p, i64, i32, i32, p, p, p, i32, p, p, i64, i64, i32]
+    lib.sy_linear_q4.restype = i32
     lib.sy_gemm_bf16.argtypes = [p, i64, i32, i32, p, p, p, i64, i64, i32]
     lib.sy_gemm_bf16.restype = i32
 
@@ -309,6 +315,15 @@ class PackedLinear:
         """Memory the packed copy adds beside the weight."""
         copy = self.panels if self.panels is not None else self.onednn
         return 0 if copy is None else copy.numel() * copy.element_size()
+
+    def owned_tensors(self) -> list[torch.Tensor]:
+        return [self.panels] if self.panels is not None else []  # (oneDNN's blocked tensor is opaque)
+
+    def rebind(self, take) -> None:
+        """Point at a copy of the panels (kernels.huge_pages.move_packed_to_huge_pages)."""
+        if self.panels is not None:
+            self.panels = take(self.panels)
+            self._p = self.panels.data_ptr()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == _F32 and x.dim() == 2 and not x.requires_grad:

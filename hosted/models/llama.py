@@ -12,6 +12,7 @@ from torch import nn
 from hosted.config import ModelConfig
 from hosted.layers.attention import AttentionMetadata, PagedAttention
 from hosted.layers.linear import Linear, TiedHead
+from kernels.huge_pages import move_packed_to_huge_pages
 from kernels.ops import Kernels
 
 
@@ -119,7 +120,13 @@ class LlamaForCausalLM(nn.Module):
         The weights must not be replaced afterwards."""
         added = sum(m.prepack(int8_copy=int8_head and m is self.lm_head) for m in self.modules()
                     if isinstance(m, Linear))
-        return added + (self.tied_head.prepack(int8_copy=int8_head) if self.tied_head is not None else 0)
+        added += self.tied_head.prepack(int8_copy=int8_head) if self.tied_head is not None else 0
+        # One step then reads the packed copies as one stream, on 2 MiB pages (modules() is execution order).
+        heads = [self.tied_head] if self.tied_head is not None else []
+        move_packed_to_huge_pages(m.packed for m in [*self.modules(), *heads]
+                                  if isinstance(m, Linear | TiedHead) and m.packed is not None
+                                  and hasattr(m.packed, "rebind"))
+        return added
 
     def is_quantized(self) -> bool:
         return any(m.quantization is not None for m in self.modules() if isinstance(m, Linear))

@@ -72,7 +72,9 @@ def test_int4_matches_float64_of_its_math_and_the_reference(m, n, k, group_size,
     w, x, bias = torch.randn(n, k), torch.randn(m, k), torch.randn(n)
     packed, scales, zeros = reference.quantize_int4(w, group_size, symmetric)
     got = cpu_lowp.make_int4(packed, scales, zeros, group_size, bias)(x)
-    deq = reference.dequantize_int4(packed, scales, zeros, group_size).double()
+    # The kernel keeps scales and zero points as fp16 (GGUF's Q4 blocks store them so; here one rounding).
+    half = scales.half().float(), zeros.half().float() if zeros is not None else None
+    deq = reference.dequantize_int4(packed, *half, group_size).double()
     exact = _rounded_activations(x) @ deq.t() + bias.double()
     assert _rel(got, exact) < 5e-6
     assert _rel(got, reference.int4_linear(x, packed, scales, zeros, group_size, bias)) < 0.02
