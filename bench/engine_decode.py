@@ -181,12 +181,28 @@ def copy_bandwidth(device: torch.device, megabytes: int) -> dict:
 
 
 def weight_bytes_per_step(model, batch: int) -> int:
-    """Weight bytes one decode step reads: every parameter but the embedding table (one row per token),
-    plus the table itself when the lm_head is tied to it."""
+    """Weight bytes one decode step reads: each projection's packed copy where it has one (the copy is what its
+    GEMM reads: bf16/int8/int4 strips, fp32 panels; an int8 copy of the lm_head), else its parameters; the
+    other parameters (norms); one embedding row per sequence, or the whole table when it is the tied head."""
+    from hosted.layers.linear import Linear
+
+    def nbytes(tensors) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    total, seen = 0, set()
+    for m in model.modules():
+        if isinstance(m, Linear):
+            own = list(m.parameters(recurse=False))
+            seen.update(id(p) for p in own)
+            total += m.packed.extra_bytes if m.packed is not None else nbytes(own)
     embed = model.embed_tokens.weight
-    total = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if name != "embed_tokens.weight")
-    row = embed.shape[1] * embed.element_size()
-    return total + (embed.numel() * embed.element_size() if model.lm_head is None else batch * row)
+    seen.add(id(embed))
+    total += nbytes(p for p in model.parameters() if id(p) not in seen)
+    total += batch * embed.shape[1] * embed.element_size()
+    head = getattr(model, "tied_head", None)
+    if model.lm_head is None:
+        total += head.packed.extra_bytes if head is not None and head.packed is not None else nbytes([embed])
+    return total
 
 
 def kv_bytes_per_position(engine) -> int:

@@ -22,6 +22,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
+import torch
+
 from hosted.engine import EngineConfig, EngineStats, LLMEngine, StepOutput
 from hosted.sampling_params import SamplingParams
 
@@ -66,6 +68,7 @@ class AsyncLLMEngine:
         # The longest prompt + output one request can have: the context, and what the KV pool can hold
         # (the last generated token never needs KV).
         self.max_request_tokens: int = min(engine.max_model_len, bm.num_blocks * bm.block_size + 1)
+        self._torch_threads = torch.get_num_threads()  # set again on the engine thread (hosted/threads.py)
         self._cv = threading.Condition()
         self._commands: collections.deque[_Add | _Abort] = collections.deque()
         self._thread: threading.Thread | None = None
@@ -209,6 +212,7 @@ class AsyncLLMEngine:
 
     # ------------------------------------------------------------------------------ engine thread
     def _run(self) -> None:
+        torch.set_num_threads(self._torch_threads)  # OpenMP's thread count is per thread
         engine = self.engine
         has_work = False
         try:

