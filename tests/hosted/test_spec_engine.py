@@ -263,3 +263,25 @@ def test_config_validation():
 def test_draft_with_another_vocabulary_is_refused(tiny_model_dirs):
     with pytest.raises(ValueError, match="vocabulary"):
         LLMEngine(EngineConfig(model_dir=DEMO_MODEL_DIR, draft_model_dir=tiny_model_dirs["llama"], num_kv_blocks=16))
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_target_and_draft_share_the_native_kernels_and_stay_lossless(scheme, prompts, subset_draft):
+    """With --quantization the draft is quantized like the target and both read through the packed native
+    GEMMs (VNNI strips, int8 head); verification of k drafts in one forward then gives exactly the greedy
+    tokens of plain decoding with the same kernels (each output is one fixed-order sum, whatever the rows)."""
+    from kernels import cpu_lowp
+
+    if not cpu_lowp.features() & cpu_lowp.FEATURE_VNNI:
+        pytest.skip("this CPU or build has no AVX512-VNNI kernels")
+    quant = {"quantization": scheme, "quantization_group_size": 32}
+    plain = LLMEngine(EngineConfig(model_dir=DEMO_MODEL_DIR, num_kv_blocks=128, **quant))
+    want = _plain(plain, prompts, _greedy(24))
+    engine = _engine(draft_model_dir=subset_draft, **quant)
+    target_layer = engine.runner.model.layers[0].mlp.down_proj
+    draft_layer = engine.spec.draft.runner.model.layers[0].mlp.down_proj
+    for layer in (target_layer, draft_layer):
+        assert isinstance(layer.packed, cpu_lowp.Int8Strips if scheme == "int8" else cpu_lowp.Int4Strips)
+    outs = _drain(engine, {f"r{i}": (p, _greedy(24)) for i, p in enumerate(prompts)}, stagger=2)
+    assert [_tokens(outs[f"r{i}"]) for i in range(len(prompts))] == want
+    assert engine.stats().spec_accepted_tokens > 0
