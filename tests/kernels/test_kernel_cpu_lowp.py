@@ -4,28 +4,19 @@ or to bf16), plus their dispatch through Linear.prepack and their fallbacks."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kernels import cpu_lowp, cpu_native, ops, reference
+from tests.kernels.native_setup import native_on, needs_compiler  # noqa: F401 - native_on: an autouse fixture
 
 torch.set_num_threads(2)
 
-HAVE_COMPILER = any(shutil.which(c) for c in ("cc", "gcc", "clang"))
-pytestmark = pytest.mark.skipif(not HAVE_COMPILER, reason="no C compiler on this machine: the native path is off")
+pytestmark = needs_compiler
 SHAPES = [(1, 576, 576), (2, 48, 64), (3, 70, 96), (4, 1536, 576), (5, 576, 1536), (9, 33, 128), (64, 200, 576)]
 
 
-@pytest.fixture(autouse=True)
-def _native_on(monkeypatch):
-    monkeypatch.delenv("SWITCHYARD_CPU_NATIVE", raising=False)
-    monkeypatch.delenv("SWITCHYARD_KERNELS", raising=False)
-    cpu_native.reset()
-    yield
-    cpu_native.reset()
 
 
 def _need(feature: int) -> None:

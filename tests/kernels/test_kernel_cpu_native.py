@@ -4,29 +4,21 @@ their dispatch through kernels.ops and their fallbacks."""
 from __future__ import annotations
 
 import ast
-import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kernels import cpu_native, ops, reference
+from tests.kernels.native_setup import native_on, needs_compiler  # noqa: F401 - native_on: an autouse fixture
 from tests.kernels.paged_cases import dense_decode, make_paged_kv
 
 torch.set_num_threads(2)
 
-HAVE_COMPILER = any(shutil.which(c) for c in ("cc", "gcc", "clang"))
-pytestmark = pytest.mark.skipif(not HAVE_COMPILER, reason="no C compiler on this machine: the native path is off")
+pytestmark = needs_compiler
 ATOL = {torch.float32: 2e-5, torch.bfloat16: 1e-5}  # bf16 caches, fp32 queries and output
 
 
-@pytest.fixture(autouse=True)
-def _native_on(monkeypatch):
-    monkeypatch.delenv("SWITCHYARD_CPU_NATIVE", raising=False)
-    monkeypatch.delenv("SWITCHYARD_KERNELS", raising=False)
-    cpu_native.reset()
-    yield
-    cpu_native.reset()
 
 
 _OPENMP_PROBE = """
