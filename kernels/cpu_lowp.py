@@ -76,13 +76,11 @@ class _Strips:
     @property
     def extra_bytes(self) -> int:
         """Memory the packed copy takes."""
-        return sum(t.numel() * t.element_size() for t in self._tensors())
-
-    def _tensors(self) -> list[torch.Tensor]:
-        return [self.packed] + ([self.bias] if self.bias is not None else [])
+        return sum(t.numel() * t.element_size() for t in self.owned_tensors())
 
     def owned_tensors(self) -> list[torch.Tensor]:
-        return self._tensors()
+        """The tensors the kernel reads (what kernels.huge_pages moves)."""
+        return [self.packed] + ([self.bias] if self.bias is not None else [])
 
     def rebind(self, take) -> None:
         """Point at copies of the packed tensors (kernels.huge_pages.move_packed_to_huge_pages)."""
@@ -131,8 +129,8 @@ class Int8Strips(_QuantStrips):
         self.scales = _pad_rows(scales.detach().float().reshape(-1), strips * 16).contiguous()
         self._scales_p = self.scales.data_ptr()
 
-    def _tensors(self) -> list[torch.Tensor]:
-        return super()._tensors() + [self.scales]
+    def owned_tensors(self) -> list[torch.Tensor]:
+        return super().owned_tensors() + [self.scales]
 
     def rebind(self, take) -> None:
         super().rebind(take)
@@ -169,8 +167,8 @@ class Int4Strips(_QuantStrips):
         self.group_size = group_size
         self._sz_p = self.sz.data_ptr()
 
-    def _tensors(self) -> list[torch.Tensor]:
-        return super()._tensors() + [self.sz]
+    def owned_tensors(self) -> list[torch.Tensor]:
+        return super().owned_tensors() + [self.sz]
 
     def rebind(self, take) -> None:
         super().rebind(take)
