@@ -199,9 +199,9 @@ def weight_bytes_per_step(model, batch: int) -> int:
     seen.add(id(embed))
     total += nbytes(p for p in model.parameters() if id(p) not in seen)
     total += batch * embed.shape[1] * embed.element_size()
-    head = getattr(model, "tied_head", None)
-    if model.lm_head is None:
-        total += head.packed.extra_bytes if head is not None and head.packed is not None else nbytes([embed])
+    if model.lm_head is None:  # tied: the head reads the table (or its packed copy)
+        head = model.tied_head
+        total += head.packed.extra_bytes if head.packed is not None else nbytes([embed])
     return total
 
 

@@ -44,19 +44,11 @@ import sqlalchemy as sa
 from gateway import db
 from gateway.reports.decision import DecisionInputs, decide
 from gateway.reports.figures import Ledger, Window
-from gateway.testing import ledger_seed
+from gateway.testing import ledger_seed, postgres
 
 LIMIT_S = 10.0
 VIEWS = ("daily_spend", "engine_utilisation_hourly", "route_cost_per_1k_requests", "realised_savings_daily",
          "prefix_cache_savings_daily", "engine_idle_daily")
-PG_BASE = os.environ.get("SWITCHYARD_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
-
-
-def _pg(database: str | None = None) -> str:
-    url = sa.engine.make_url(PG_BASE)
-    if database:
-        url = url.set(database=database)
-    return url.set(drivername="postgresql").render_as_string(hide_password=False)
 
 
 @contextlib.contextmanager
@@ -65,17 +57,8 @@ def database(kind: str, workdir: Path):
     if kind == "sqlite":
         yield f"sqlite:///{workdir / 'bench-ledger.db'}"
         return
-    import psycopg
-
-    name = f"sy_bench_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(_pg(), autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-        conn.execute(f"ALTER DATABASE \"{name}\" SET timezone TO 'UTC'")
-    try:
-        yield _pg(name)
-    finally:
-        with psycopg.connect(_pg(), autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with postgres.fresh_database("sy_bench") as url:
+        yield url
 
 
 class _FakeRequest:

@@ -1,9 +1,8 @@
 /* Low-precision projections for the CPU engine, compiled with cpu_native.c into one library:
  *   sy_lowp_features     which of the kernels below this build has (bit 0: int8/int4 VNNI, bit 1: bf16)
- *   sy_quantize_rows_q8  fp32 activations -> int8 per block of 32 (a scale per block, as llama.cpp's q8_0)
- *   sy_gemm_q8           y = x W^T, W int8 per output row (symmetric), x quantized by sy_quantize_rows_q8
- *   sy_gemm_q4           y = x W^T, W 4-bit per group along K with a scale and zero point per group
- *   sy_linear_q8/_q4     the two above in one call from fp32 x (the engine's entry points)
+ *   sy_linear_q8         y = x W^T, W int8 per output row (symmetric), x rounded to int8 per block of 32 in the
+ *                        same call (a scale per block, as llama.cpp's q8_0)
+ *   sy_linear_q4         likewise for W 4-bit per group along K with a scale and zero point per group
  *   sy_gemm_bf16         y = x W^T, W bf16, x bf16 (or fp32, rounded to bf16 first), fp32 accumulation
  *
  * Weights are stored in strips of 16 output rows, interleaved so that one 64-byte load holds the next few k
@@ -64,15 +63,10 @@ int sy_lowp_features(void) {
 
 static inline int threads_for(int64_t work, int threads) { return work < 65536 ? 1 : threads; }
 
+#ifdef SY_HAVE_VNNI
 /* xq [M, K] int8, xs [M, K/32] scales, xsum [M, K/32] = scale * sum of the block's int8 values:
- * x ~ xq * scale per block (round to nearest, |xq| <= 127). K % 32 == 0. A no-op without VNNI (the GEMMs
- * then refuse too). */
-#ifndef SY_HAVE_VNNI
-void sy_quantize_rows_q8(const float *x, int64_t x_stride, int M, int K, int8_t *xq, float *xs, float *xsum) {
-    (void)x, (void)x_stride, (void)M, (void)K, (void)xq, (void)xs, (void)xsum;
-}
-#else
-void sy_quantize_rows_q8(const float *x, int64_t x_stride, int M, int K, int8_t *xq, float *xs, float *xsum) {
+ * x ~ xq * scale per block (round to nearest, |xq| <= 127). K % 32 == 0. */
+static void quantize_rows_q8(const float *x, int64_t x_stride, int M, int K, int8_t *xq, float *xs, float *xsum) {
     const int nb = K / QBLOCK;
     for (int m = 0; m < M; m++)
         for (int b = 0; b < nb; b++) {
@@ -253,13 +247,30 @@ static inline __attribute__((always_inline)) void bf16_tile(const uint16_t *x, i
         }                                                                                                        \
     } while (0)
 
-/* Each returns 0, or 2 when this build lacks the instructions (the caller then uses the torch reference). */
+/* The entry points return 0, or 2 when this build lacks the instructions or the shape does not fit (the caller
+ * then uses the torch reference). */
 
-/* y [M, N] (row stride ys) = dequant(W) x; W packed int8 strips [strips][K/4][64] (stride K * 16 bytes per
- * strip), scales [strips * 16] fp32 and bias [strips * 16] or NULL (both zero-padded past N); x given by sy_quantize_rows_q8. */
-int sy_gemm_q8(const int8_t *xq, const float *xs, const float *xsum, int M, int K, const uint8_t *w,
-               const float *scales, const float *bias, float *y, int64_t ys, int64_t N, int threads) {
 #ifdef SY_HAVE_VNNI
+/* The int8 rows of x at the start of scratch, then their block scales and scaled sums (64-byte aligned); the
+ * caller sizes scratch as M * K + 8 * M * (K / 32) + 64 bytes (cpu_lowp.py). */
+static inline void q8_split(void *scratch, int M, int K, int8_t **xq, float **xs, float **xsum) {
+    *xq = (int8_t *)scratch;
+    *xs = (float *)(((uintptr_t)scratch + (uintptr_t)M * K + 63) & ~(uintptr_t)63);
+    *xsum = *xs + (int64_t)M * (K / QBLOCK);
+}
+#endif
+
+/* y [M, N] (row stride ys) = x dequant(W)^T from fp32 x [M, K] (row stride x_stride), rounded into scratch
+ * first; W packed int8 strips [strips][K/4][64] (K * 16 bytes per strip), scales [strips * 16] fp32 and bias
+ * [strips * 16] or NULL (both zero-padded past N). One call per layer. */
+int sy_linear_q8(const float *x, int64_t x_stride, int M, int K, void *scratch, const uint8_t *w,
+                 const float *scales, const float *bias, float *y, int64_t ys, int64_t N, int threads) {
+#ifdef SY_HAVE_VNNI
+    if (K % QBLOCK) return 2;
+    int8_t *xq;
+    float *xs, *xsum;
+    q8_split(scratch, M, K, &xq, &xs, &xsum);
+    quantize_rows_q8(x, x_stride, M, K, xq, xs, xsum);
     const int64_t strip = (int64_t)K * 16, nb = K / QBLOCK;
     threads = threads_for((int64_t)M * N * K / 4, threads);
 #define Q8(MR, NS, m0, s, nc)                                                                                    \
@@ -269,43 +280,28 @@ int sy_gemm_q8(const int8_t *xq, const float *xs, const float *xsum, int M, int 
 #undef Q8
     return 0;
 #else
-    (void)xq, (void)xs, (void)xsum, (void)M, (void)K, (void)w, (void)scales, (void)bias, (void)y, (void)ys, (void)N,
-        (void)threads;
+    (void)x, (void)x_stride, (void)M, (void)K, (void)scratch, (void)w, (void)scales, (void)bias, (void)y, (void)ys,
+        (void)N, (void)threads;
     return 2;
 #endif
 }
 
-/* Scratch for sy_linear_q8 / sy_linear_q4: the int8 rows, then their block scales and scaled sums. */
-int64_t sy_q8_scratch_bytes(int M, int K) { return (int64_t)M * K + 8 * (int64_t)M * (K / QBLOCK) + 64; }
-
-static inline void q8_split(void *scratch, int M, int K, int8_t **xq, float **xs, float **xsum) {
-    *xq = (int8_t *)scratch;
-    *xs = (float *)(((uintptr_t)scratch + (uintptr_t)M * K + 63) & ~(uintptr_t)63);
-    *xsum = *xs + (int64_t)M * (K / QBLOCK);
-}
-
-/* As sy_gemm_q8 from fp32 x [M, K] (row stride x_stride): rounds x into scratch first, one call per layer. */
-int sy_linear_q8(const float *x, int64_t x_stride, int M, int K, void *scratch, const uint8_t *w,
-                 const float *scales, const float *bias, float *y, int64_t ys, int64_t N, int threads) {
+/* As sy_linear_q8 for 4-bit weights: strips [strips][K/8][64] (K * 8 bytes per strip), sz [strips][K/gs][2][16]
+ * fp16 (scale, zero point), group size gs a multiple of 32 dividing K. */
+int sy_linear_q4(const float *x, int64_t x_stride, int M, int K, void *scratch, const uint8_t *w, const uint16_t *sz,
+                 int gs, const float *bias, float *y, int64_t ys, int64_t N, int threads) {
+#ifdef SY_HAVE_VNNI
+    if (gs <= 0 || gs % QBLOCK || K % gs) return 2;
     int8_t *xq;
     float *xs, *xsum;
     q8_split(scratch, M, K, &xq, &xs, &xsum);
-    sy_quantize_rows_q8(x, x_stride, M, K, xq, xs, xsum);
-    return sy_gemm_q8(xq, xs, xsum, M, K, w, scales, bias, y, ys, N, threads);
-}
-
-/* As sy_gemm_q8 for 4-bit weights: strips [strips][K/8][64] (K * 8 bytes per strip), sz [strips][K/gs][2][16]
- * fp16 (scale, zero point), group size gs a multiple of 32 dividing K. */
-int sy_gemm_q4(const int8_t *xq, const float *xs, const float *xsum, int M, int K, const uint8_t *w,
-               const uint16_t *sz, int gs, const float *bias, float *y, int64_t ys, int64_t N, int threads) {
-#ifdef SY_HAVE_VNNI
-    if (gs % QBLOCK || K % gs) return 2;
+    quantize_rows_q8(x, x_stride, M, K, xq, xs, xsum);
     const int64_t strip = (int64_t)K * 8, sz_strip = (int64_t)(K / gs) * 32, nb = K / QBLOCK;
     threads = threads_for((int64_t)M * N * K / 8, threads);
 #define Q4(MR, NS, m0, s, nc)                                                                                    \
     q4_tile(xq + (int64_t)(m0)*K, xs + (int64_t)(m0)*nb, xsum + (int64_t)(m0)*nb, K, MR, NS, w + (s)*strip,  \
             strip, sz + (s)*sz_strip, sz_strip, gs, bias ? bias + (s)*16 : NULL, y + (int64_t)(m0)*ys + (s)*16, ys, nc)
-    /* A few rows (decode): one strip at a time read 29.5 GB/s over SmolLM2's int4 layers against 20 with two
+    /* A few rows (decode): one strip at a time read 25-29 GB/s over SmolLM2's int4 layers against 18-20 with two
      * side by side (measured here); more rows are compute-bound and want the wider tile. */
     if (M <= ROW_TILE)
         WALK(1, Q4);
@@ -314,8 +310,8 @@ int sy_gemm_q4(const int8_t *xq, const float *xs, const float *xsum, int M, int 
 #undef Q4
     return 0;
 #else
-    (void)xq, (void)xs, (void)xsum, (void)M, (void)K, (void)w, (void)sz, (void)gs, (void)bias, (void)y, (void)ys,
-        (void)N, (void)threads;
+    (void)x, (void)x_stride, (void)M, (void)K, (void)scratch, (void)w, (void)sz, (void)gs, (void)bias, (void)y,
+        (void)ys, (void)N, (void)threads;
     return 2;
 #endif
 }
@@ -337,14 +333,4 @@ int sy_gemm_bf16(const uint16_t *x, int64_t xs, int M, int K, const uint16_t *w,
     (void)x, (void)xs, (void)M, (void)K, (void)w, (void)bias, (void)y, (void)ys, (void)N, (void)threads;
     return 2;
 #endif
-}
-
-/* As sy_gemm_q4 from fp32 x, as sy_linear_q8. */
-int sy_linear_q4(const float *x, int64_t x_stride, int M, int K, void *scratch, const uint8_t *w, const uint16_t *sz,
-                 int gs, const float *bias, float *y, int64_t ys, int64_t N, int threads) {
-    int8_t *xq;
-    float *xs, *xsum;
-    q8_split(scratch, M, K, &xq, &xs, &xsum);
-    sy_quantize_rows_q8(x, x_stride, M, K, xq, xs, xsum);
-    return sy_gemm_q4(xq, xs, xsum, M, K, w, sz, gs, bias, y, ys, N, threads);
 }

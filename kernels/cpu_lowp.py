@@ -107,7 +107,8 @@ class _QuantStrips(_Strips):
         if rows:
             if x2.dtype != _F32 or x2.stride(1) != 1:
                 x2 = x2.float().contiguous()
-            scratch = _scratch.get(rows * self.k + 8 * rows * (self.k // QBLOCK) + 64)  # sy_q8_scratch_bytes
+            # int8 rows, then fp32 block scales and sums, 64-byte aligned (q8_split in cpu_lowp.c)
+            scratch = _scratch.get(rows * self.k + 8 * rows * (self.k // QBLOCK) + 64)
             rc = self._linear(x2, rows, scratch, y)
             if rc:
                 raise RuntimeError(f"native low-precision GEMM failed (rc={rc})")

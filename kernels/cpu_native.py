@@ -164,14 +164,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sy_gemm_panels_f32.restype = None
     lib.sy_lowp_features.argtypes = []
     lib.sy_lowp_features.restype = i32
-    lib.sy_quantize_rows_q8.argtypes = [p, i64, i32, i32, p, p, p]
-    lib.sy_quantize_rows_q8.restype = None
-    lib.sy_gemm_q8.argtypes = [p, p, p, i32, i32, p, p, p, p, i64, i64, i32]
-    lib.sy_gemm_q8.restype = i32
-    lib.sy_gemm_q4.argtypes = [p, p, p, i32, i32, p, p, i32, p, p, i64, i64, i32]
-    lib.sy_gemm_q4.restype = i32
-    lib.sy_q8_scratch_bytes.argtypes = [i32, i32]
-    lib.sy_q8_scratch_bytes.restype = i64
     lib.sy_linear_q8.argtypes = [p, i64, i32, i32, p, p, p, p, p, i64, i64, i32]
     lib.sy_linear_q8.restype = i32
     lib.sy_linear_q4.argtypes = [p, i64, i32, i32, p, p, p, i32, p, p, i64, i64, i32]

@@ -12,7 +12,6 @@ URLs are plain (`sqlite:///…`, `postgresql://…`); gateway.db picks async/syn
 from __future__ import annotations
 
 import os
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
@@ -20,14 +19,7 @@ from functools import cache
 import pytest
 from sqlalchemy.engine import make_url
 
-PG_BASE_URL = os.environ.get("SWITCHYARD_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
-
-
-def _pg_conninfo(database: str | None = None) -> str:
-    url = make_url(PG_BASE_URL)
-    if database:
-        url = url.set(database=database)
-    return url.set(drivername="postgresql").render_as_string(hide_password=False)
+from gateway.testing import postgres
 
 
 @cache
@@ -35,10 +27,10 @@ def _pg_unreachable_reason() -> str | None:
     try:
         import psycopg
 
-        with psycopg.connect(_pg_conninfo(), connect_timeout=3):
+        with psycopg.connect(postgres.conninfo(), connect_timeout=3):
             return None
     except Exception as exc:  # noqa: BLE001 - any failure means unreachable
-        return f"PostgreSQL at {make_url(PG_BASE_URL).render_as_string()} unreachable: {exc}"
+        return f"PostgreSQL at {make_url(postgres.PG_BASE_URL).render_as_string()} unreachable: {exc}"
 
 
 def require_postgres() -> None:
@@ -60,17 +52,8 @@ def sqlite_url(tmp_path) -> str:
 def fresh_pg_database() -> Iterator[str]:
     """A new, empty PostgreSQL database (session time zone UTC), dropped afterwards; skips without a server."""
     require_postgres()
-    import psycopg
-
-    name = f"sy_test_{uuid.uuid4().hex[:16]}"
-    with psycopg.connect(_pg_conninfo(), autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-        conn.execute(f"ALTER DATABASE \"{name}\" SET timezone TO 'UTC'")
-    try:
-        yield _pg_conninfo(name)
-    finally:
-        with psycopg.connect(_pg_conninfo(), autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with postgres.fresh_database("sy_test") as url:
+        yield url
 
 
 @pytest.fixture

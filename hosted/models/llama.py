@@ -124,8 +124,7 @@ class LlamaForCausalLM(nn.Module):
         # One step then reads the packed copies as one stream, on 2 MiB pages (modules() is execution order).
         heads = [self.tied_head] if self.tied_head is not None else []
         move_packed_to_huge_pages(m.packed for m in [*self.modules(), *heads]
-                                  if isinstance(m, Linear | TiedHead) and m.packed is not None
-                                  and hasattr(m.packed, "rebind"))
+                                  if isinstance(m, Linear | TiedHead) and m.packed is not None)
         return added
 
     def is_quantized(self) -> bool:

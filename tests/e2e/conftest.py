@@ -101,9 +101,11 @@ def run_gateway(policy_text: str, tmp_path: Path, database_url: str | None = Non
 
 
 @pytest.fixture
-def standin():
+def standin(monkeypatch):
+    """A stand-in upstream's /v1 URL; STANDIN_API_KEY (what the test policies' api_key_env name) is set."""
     from gateway.testing.standin import run_standin
 
+    monkeypatch.setenv("STANDIN_API_KEY", "sk-standin")
     with run_standin(engine_extension=True) as base_url:
         yield base_url
 

@@ -22,8 +22,7 @@ routes:
 """
 
 
-def test_streamed_completion_texts_join(standin, tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("STANDIN_API_KEY", "sk-standin")
+def test_streamed_completion_texts_join(standin, tmp_path) -> None:
     with run_gateway(POLICY.format(standin=standin), tmp_path) as gateway:
         client = openai.OpenAI(base_url=gateway.base_url, api_key=MASTER_KEY, max_retries=0)
         for model in ("via-litellm", "via-engine"):

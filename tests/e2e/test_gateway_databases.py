@@ -45,8 +45,7 @@ async def _traffic(base_url: str) -> int:
     return len(results)
 
 
-def test_every_request_is_in_the_ledger_after_a_graceful_shutdown(db_url, standin, tmp_path, monkeypatch):
-    monkeypatch.setenv("STANDIN_API_KEY", "sk-standin")
+def test_every_request_is_in_the_ledger_after_a_graceful_shutdown(db_url, standin, tmp_path):
     with run_gateway(POLICY.format(standin=standin), tmp_path, database_url=db_url) as gateway:
         sent = asyncio.run(_traffic(gateway.base_url))
         version = gateway.gw.services.policy_store.current.version

@@ -43,8 +43,7 @@ PRICE = 2e-8  # litellm's map: text-embedding-3-small, input_cost_per_token (out
 
 
 @pytest.fixture
-def gateway(standin, tmp_path, monkeypatch):
-    monkeypatch.setenv("STANDIN_API_KEY", "sk-standin")
+def gateway(standin, tmp_path):
     tiny_difficulty_model(tmp_path / "m.npz")
     with run_gateway(POLICY.format(standin=standin, model=tmp_path / "m.npz"), tmp_path) as running:
         yield running

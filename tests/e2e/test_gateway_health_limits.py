@@ -51,8 +51,7 @@ OK = [{"role": "user", "content": "one two three"}]
 
 
 @pytest.fixture
-def gateway(standin, tmp_path, monkeypatch):
-    monkeypatch.setenv("STANDIN_API_KEY", "sk-standin")
+def gateway(standin, tmp_path):
     with run_gateway(POLICY.format(standin=standin, dead_port=free_port()), tmp_path) as running:
         yield running
 
@@ -101,7 +100,6 @@ def test_a_20_mb_body_is_413_before_parsing_and_reaches_no_backend(gateway, stan
 
 
 def test_the_body_limit_is_configurable(standin, tmp_path, monkeypatch):
-    monkeypatch.setenv("STANDIN_API_KEY", "sk-standin")
     monkeypatch.setenv("SWITCHYARD_MAX_BODY_BYTES", "2000")
     with run_gateway(POLICY.format(standin=standin, dead_port=free_port()), tmp_path) as gateway:
         client = sdk(gateway, max_retries=0)

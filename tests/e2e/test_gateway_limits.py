@@ -28,8 +28,7 @@ PROMPT = "one two three four five six seven eight nine ten"
 
 
 @pytest.fixture
-def gateway(standin, tmp_path, monkeypatch):
-    monkeypatch.setenv("STANDIN_API_KEY", "sk-standin")
+def gateway(standin, tmp_path):
     with run_gateway(POLICY.format(standin=standin), tmp_path) as running:
         yield running
 

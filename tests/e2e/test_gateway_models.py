@@ -15,8 +15,7 @@ routes:
 """
 
 
-def test_models_retrieve(standin, tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("STANDIN_API_KEY", "sk-standin")
+def test_models_retrieve(standin, tmp_path) -> None:
     with run_gateway(POLICY.format(standin=standin), tmp_path) as gateway:
         client = openai.OpenAI(base_url=gateway.base_url, api_key=MASTER_KEY, max_retries=0)
         listed = {m.id: m for m in client.models.list()}

@@ -50,8 +50,7 @@ routes:
 
 
 @pytest.fixture
-def gateway(standin, tmp_path, monkeypatch):
-    monkeypatch.setenv("STANDIN_API_KEY", "sk-standin")
+def gateway(standin, tmp_path):
     with run_gateway(POLICY.format(standin=standin, dead_port=free_port()), tmp_path) as running:
         yield running
 

@@ -34,8 +34,7 @@ EVENTS = ["response.created", "response.in_progress", "response.output_item.adde
 
 
 @pytest.fixture
-def gateway(standin, tmp_path, monkeypatch):
-    monkeypatch.setenv("STANDIN_API_KEY", "sk-standin")
+def gateway(standin, tmp_path):
     with run_gateway(POLICY.format(standin=standin), tmp_path) as running:
         yield running
 

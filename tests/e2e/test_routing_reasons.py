@@ -54,8 +54,7 @@ EASY = "say hi 7"
 
 
 @pytest.fixture
-def gateway(standin, tmp_path, monkeypatch):
-    monkeypatch.setenv("STANDIN_API_KEY", "sk-standin")
+def gateway(standin, tmp_path):
     tiny_difficulty_model(tmp_path / "m.npz")
     with run_gateway(POLICY.format(standin=standin, dead_port=free_port(), model=tmp_path / "m.npz"),
                      tmp_path) as running:

@@ -20,7 +20,7 @@ SHAPES = [(1, 576, 576), (2, 48, 64), (3, 70, 96), (4, 1536, 576), (5, 576, 1536
 
 
 def _need(feature: int) -> None:
-    if not cpu_lowp.features() & feature:
+    if cpu_lowp.features() & feature != feature:
         pytest.skip("this CPU or compiler lacks the instructions (the engine uses the torch reference)")
 
 
@@ -86,7 +86,7 @@ def test_bf16_matches_float64_and_torch(m, n, k):
 
 
 def test_strided_rows_threads_and_empty_input():
-    _need(cpu_lowp.FEATURE_VNNI | cpu_lowp.FEATURE_BF16)
+    _need(cpu_lowp.FEATURE_VNNI)
     torch.manual_seed(3)
     w = torch.randn(300, 128)
     q, s = reference.quantize_int8(w)
@@ -110,8 +110,9 @@ def test_strided_rows_threads_and_empty_input():
 def test_shapes_the_kernels_do_not_take_fall_back():
     q, s = reference.quantize_int8(torch.randn(16, 40))  # K not a multiple of 32
     assert cpu_lowp.make_int8(q, s) is None
+    assert cpu_lowp.make_bf16(torch.randn(16, 41).bfloat16()) is None  # odd K: no bf16 pairs
     packed, scales, zeros = reference.quantize_int4(torch.randn(16, 64), 32)
-    assert cpu_lowp.make_int4(packed, scales, zeros, 32) is not None or not cpu_lowp.features()
+    assert cpu_lowp.make_int4(packed.to(torch.int16), scales, zeros, 32) is None  # not packed nibbles
 
 
 def test_disabled_native_library_gives_no_strips(monkeypatch):
