@@ -56,6 +56,9 @@ class ModelRunner:
                                           model_config.rope_scaling, self.device)
         self.num_blocks = self._pool_blocks(max_model_len)
         self._allocate_kv_cache()
+        # Decode-only steps through one native call for all layers (CPU, packed weights); =0 for the per-op loop.
+        if os.environ.get("SWITCHYARD_CPU_DECODE_STEP", "1") != "0" and self.model.bind_decode_step(self.cos_sin):
+            log.info("decode steps: native layer loop")
 
     # ---- KV pool ----------------------------------------------------------------------------------
     @property

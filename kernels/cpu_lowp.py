@@ -45,8 +45,8 @@ def _padded_bias(bias: torch.Tensor | None, rows: int) -> torch.Tensor | None:
     return None if bias is None else _pad_rows(bias.detach().float().reshape(-1), rows).contiguous()
 
 
-class _Scratch(threading.local):
-    """Per-thread bytes for the int8-rounded activations of one call (used before the call returns)."""
+class ThreadScratch(threading.local):
+    """Per-thread bytes for one native call's temporaries (used before the call returns)."""
 
     def __init__(self) -> None:
         self.buf = torch.empty(1 << 16, dtype=torch.uint8)
@@ -59,7 +59,7 @@ class _Scratch(threading.local):
         return self.ptr
 
 
-_scratch = _Scratch()
+_scratch = ThreadScratch()  # the int8-rounded activations of one projection
 
 
 class _Strips:

@@ -299,14 +299,19 @@ int sy_decode_attention(const float *q, int64_t q_sb, int64_t q_sh, float scale,
         if ((len + block_size - 1) / block_size > table_width || (len + 15) / 16 * 16 * Hq > scratch_stride)
             return 3;
     }
+    /* Work items: whole sequences, or with fewer sequences than a few per thread, (sequence, kv head) pairs --
+     * at batch 1 one sequence on one thread left the other cores idle through every layer's attention. */
+    const int split = B < 4 * threads && Hkv > 1, per_seq = split ? Hkv : 1, G = Hq / Hkv;
+    const int64_t elem = is_bf16 ? 2 : 4;
     int bad = 0;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(| : bad) if (B > 1)
-    for (int b = 0; b < B; b++) {
-        const float *qb = q + (int64_t)b * q_sb;
-        float *ob = out + (int64_t)b * Hq * D;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(| : bad) if (B * per_seq > 1)
+    for (int item = 0; item < B * per_seq; item++) {
+        const int b = item / per_seq, h = item % per_seq, heads = split ? G : Hq;
+        const float *qb = q + (int64_t)b * q_sb + (int64_t)h * G * q_sh;
+        float *ob = out + (int64_t)b * Hq * D + (int64_t)h * G * D;
         const int len = lens[b];
         if (len <= 0) {
-            memset(ob, 0, sizeof(float) * Hq * D);
+            memset(ob, 0, sizeof(float) * heads * D);
             continue;
         }
 #ifdef _OPENMP
@@ -314,8 +319,10 @@ int sy_decode_attention(const float *q, int64_t q_sb, int64_t q_sh, float scale,
 #else
         float *scores = scratch;
 #endif
-        bad |= decode_seq(qb, q_sh, scale, k_cache, v_cache, is_bf16, sb, so, sh, tables + (int64_t)b * table_stride,
-                          num_blocks, block_size, len, Hq, Hkv, D, scores, ob);
+        /* one kv head: the caches from that head on, as if they held only it */
+        const char *kc = (const char *)k_cache + h * sh * elem, *vc = (const char *)v_cache + h * sh * elem;
+        bad |= decode_seq(qb, q_sh, scale, kc, vc, is_bf16, sb, so, sh, tables + (int64_t)b * table_stride,
+                          num_blocks, block_size, len, heads, split ? 1 : Hkv, D, scores, ob);
     }
     return bad;
 }

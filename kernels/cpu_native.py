@@ -33,8 +33,9 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-# cpu_lowp.c: the bf16 / int8 / int4 projections (kernels/cpu_lowp.py wraps them).
-SOURCES = (Path(__file__).with_name("cpu_native.c"), Path(__file__).with_name("cpu_lowp.c"))
+# cpu_lowp.c: the bf16 / int8 / int4 projections (kernels/cpu_lowp.py wraps them); cpu_decode.c: a whole decode
+# step's layers in one call over these kernels (kernels/cpu_decode.py).
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_native.c", "cpu_lowp.c", "cpu_decode.c"))
 # Small-M linear: above this many rows MKL's GEMM wins (measured on the SmolLM-135M shapes).
 LINEAR_MAX_ROWS = 4
 _FLAGS = ["-O3", "-shared", "-fPIC", "-std=gnu11"]
@@ -170,6 +171,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sy_linear_q4.restype = i32
     lib.sy_gemm_bf16.argtypes = [p, i64, i32, i32, p, p, p, i64, i64, i32]
     lib.sy_gemm_bf16.restype = i32
+    lib.sy_decode_layers.argtypes = [p, p, i32, p, p, p, i64, p, p, p, p, i64, i32]
+    lib.sy_decode_layers.restype = i64
 
 
 # --------------------------------------------------------------------------- wrappers

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels import cpu_lowp, cpu_native, reference
+from kernels import cpu_decode, cpu_lowp, cpu_native, reference
 
 _MODES = ("auto", "triton", "reference")
 _ENV_VAR = "SWITCHYARD_KERNELS"
@@ -105,6 +105,8 @@ class Kernels:
     prepack_int4: Callable[..., cpu_lowp.Int4Strips | None]
     int8_linear: Callable[..., torch.Tensor]
     int4_linear: Callable[..., torch.Tensor]
+    # A whole decode step's layer loop in one call (kernels/cpu_decode.py), or None where the backend has none.
+    build_decode_step: Callable[..., cpu_decode.DecodeStep | None]
 
 
 _selected: dict[tuple[str, bool, bool], Kernels] = {}
@@ -199,7 +201,7 @@ def _dense_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, packed:
     return F.linear(x, weight, bias)
 
 
-def _no_prepack(*args: object) -> None:
+def _no_prepack(*args: object, **kwargs: object) -> None:
     return None
 
 
@@ -208,7 +210,7 @@ REFERENCE = _kernels(
     paged_prefill_attention=reference.paged_prefill_attention, rms_norm=reference.rms_norm,
     apply_rotary=reference.apply_rotary, silu_and_mul=reference.silu_and_mul, linear=_dense_linear,
     prepack_linear=_no_prepack, prepack_int8=_no_prepack, prepack_int4=_no_prepack,
-    int8_linear=reference.int8_linear, int4_linear=reference.int4_linear,
+    int8_linear=reference.int8_linear, int4_linear=reference.int4_linear, build_decode_step=_no_prepack,
 )
 
 
@@ -218,6 +220,7 @@ def _triton_kernels(tk: ModuleType) -> Kernels:
         paged_prefill_attention=tk.paged_prefill_attention, rms_norm=tk.rms_norm, apply_rotary=tk.apply_rotary,
         silu_and_mul=reference.silu_and_mul, linear=_dense_linear, prepack_linear=_no_prepack,
         prepack_int8=_no_prepack, prepack_int4=_no_prepack, int8_linear=tk.int8_linear, int4_linear=tk.int4_linear,
+        build_decode_step=_no_prepack,
     )
 
 
@@ -264,6 +267,7 @@ CPU = _kernels(
     # below serves unpacked layers (torch's aten._weight_int8pack_mm was measured 2-20x slower than it).
     prepack_int8=cpu_lowp.make_int8, prepack_int4=cpu_lowp.make_int4,
     int8_linear=reference.int8_linear, int4_linear=reference.int4_linear,
+    build_decode_step=cpu_decode.build_decode_step,
 )
 
 

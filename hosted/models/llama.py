@@ -12,6 +12,7 @@ from torch import nn
 from hosted.config import ModelConfig
 from hosted.layers.attention import AttentionMetadata, PagedAttention
 from hosted.layers.linear import Linear, TiedHead
+from kernels.cpu_decode import DecodeStep, DecoderLayerWeights
 from kernels.huge_pages import move_packed_to_huge_pages
 from kernels.ops import Kernels
 
@@ -94,6 +95,8 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, kernels: Kernels) -> None:
         super().__init__()
         self.config = cfg
+        self.kernels = kernels
+        self.decode_step: DecodeStep | None = None  # set by bind_decode_step
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype, device, kernels)
@@ -127,6 +130,21 @@ class LlamaForCausalLM(nn.Module):
                                   if isinstance(m, Linear | TiedHead) and m.packed is not None)
         return added
 
+    def bind_decode_step(self, cos_sin: torch.Tensor) -> bool:
+        """Run the layer loop of decode-only steps in one native call where the backend has one
+        (Kernels.build_decode_step: the CPU's, over the packed projections). Call after prepack_weights and
+        after the KV caches are bound; returns whether the native step is on."""
+        cfg = self.config
+        layers = [DecoderLayerWeights(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                                      layer.self_attn.qkv_proj.packed, layer.self_attn.o_proj.packed,
+                                      layer.mlp.gate_up_proj.packed, layer.mlp.down_proj.packed,
+                                      layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache)
+                  for layer in self.layers]
+        self.decode_step = self.kernels.build_decode_step(
+            layers, num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim, eps=cfg.rms_norm_eps, scale=self.layers[0].self_attn.attn.scale, cos_sin=cos_sin)
+        return self.decode_step is not None
+
     def is_quantized(self) -> bool:
         return any(m.quantization is not None for m in self.modules() if isinstance(m, Linear))
 
@@ -138,8 +156,13 @@ class LlamaForCausalLM(nn.Module):
         """Run every new token through the model; return fp32 logits only for rows `logits_indices`."""
         hidden = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
-        for layer in self.layers:
-            hidden, residual = layer.forward(hidden, residual, positions, cos_sin, meta)
+        if self.decode_step is not None and 0 < meta.num_decode_tokens == hidden.shape[0]:
+            # Every row a decode: the whole layer loop in one native call (its activations are fp32).
+            hidden, residual = self.decode_step(hidden, positions, meta.slot_mapping, meta.decode_block_tables,
+                                                meta.decode_context_lens)
+        else:
+            for layer in self.layers:
+                hidden, residual = layer.forward(hidden, residual, positions, cos_sin, meta)
         # Only the rows we sample from need the final norm and the (large) vocabulary projection.
         if residual is None:
             residual = torch.zeros_like(hidden)

@@ -1,6 +1,7 @@
 """Every CPU kernel path the engine can take gives transformers' greedy continuations, batched.
 
-The paths: the native kernels with prepacked weights (the default), the native kernels with plain weights,
+The paths: the native kernels with prepacked weights (the default: decode-only steps run every layer in one
+native call, kernels/cpu_decode.py), the same with the per-op decode loop, the native kernels with plain weights,
 no native kernels (SWITCHYARD_CPU_NATIVE=0: torch reference attention, oneDNN-only packed linears) and
 the plain reference (SWITCHYARD_KERNELS=reference). head_dim 64 takes the register-tiled native decode
 attention (query-head groups of 3 per KV head, as in SmolLM); Qwen2's QKV bias goes through the packed
@@ -17,7 +18,8 @@ from kernels import cpu_native
 PROMPTS = [[5, 6, 7, 8, 9], [3], [(i * 37) % 300 + 10 for i in range(45)], list(range(40, 61))]
 NEW_TOKENS = 10
 PATHS = {
-    "native+packed": {},
+    "native+packed (decode steps in one native call)": {},
+    "native+packed, per-op decode loop": {"SWITCHYARD_CPU_DECODE_STEP": "0"},
     "native, unpacked weights": {"SWITCHYARD_CPU_PACKED_WEIGHTS": "0"},
     "no native kernels": {"SWITCHYARD_CPU_NATIVE": "0"},
     "reference": {"SWITCHYARD_KERNELS": "reference"},
@@ -61,7 +63,8 @@ def test_every_cpu_path_matches_transformers(kind, head64_dirs, make_engine, mon
     want = [_hf_greedy(hf, p) for p in PROMPTS]
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     for path, env in PATHS.items():
-        for var in ("SWITCHYARD_CPU_PACKED_WEIGHTS", "SWITCHYARD_CPU_NATIVE", "SWITCHYARD_KERNELS"):
+        for var in ("SWITCHYARD_CPU_PACKED_WEIGHTS", "SWITCHYARD_CPU_NATIVE", "SWITCHYARD_KERNELS",
+                    "SWITCHYARD_CPU_DECODE_STEP"):
             monkeypatch.delenv(var, raising=False)
         for var, value in env.items():
             monkeypatch.setenv(var, value)

@@ -1,0 +1,178 @@
+"""A decode step's decoder layers in one native call (cpu_decode.c): for batches where every sequence adds
+one token, the layer loop runs in C over the same kernels the per-op path calls from Python one at a time.
+
+`build_decode_step` takes the model's per-layer weights as the CPU kernels packed them (fp32 panels, int8 /
+int4 / bf16 strips), the norms and each layer's KV cache, and returns a `DecodeStep`, or None where the native
+step cannot take the model (no native library, a projection left unpacked, a shape the kernels do not
+take): the caller then keeps its per-op loop. The step holds raw pointers to those tensors and references
+to them (so they outlive it); they must not be replaced afterwards, as for the packed layers themselves.
+"""
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kernels import cpu_native
+from kernels.cpu_lowp import BF16Strips, Int4Strips, Int8Strips, ThreadScratch
+from kernels.cpu_native import PackedLinear
+
+_F32, _BF16, _I32, _I64 = torch.float32, torch.bfloat16, torch.int32, torch.int64
+_P, _I = ctypes.c_void_p, ctypes.c_int32
+# cpu_decode.c's PROJ_* and ERR_*
+_F32_PANELS, _INT8, _INT4, _BF16_STRIPS = 1, 2, 3, 4
+_MAX_Q_HEADS, _MAX_HEAD_DIM, _MAX_BLOCK_ROW = 128, 256, 16384  # as in cpu_native.c
+
+
+class _Proj(ctypes.Structure):
+    _fields_ = [("kind", _I), ("group_size", _I), ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("w", _P),
+                ("aux", _P), ("bias", _P)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("k_cache", _P), ("v_cache", _P), ("qkv", _Proj),
+                ("o", _Proj), ("gate_up", _Proj), ("down", _Proj)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("num_layers", _I), ("hidden", _I), ("num_heads", _I), ("num_kv_heads", _I), ("head_dim", _I),
+                ("inter", _I), ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("kv_bf16", _I),
+                ("block_size", _I), ("cache_sb", ctypes.c_int64), ("cache_so", ctypes.c_int64),
+                ("cache_sh", ctypes.c_int64), ("num_blocks", ctypes.c_int64), ("cos_sin", _P),
+                ("max_position", ctypes.c_int64), ("layers", _P)]
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderLayerWeights:
+    """What one Llama-family decoder layer gives the native step."""
+
+    input_norm: torch.Tensor  # [hidden]
+    post_norm: torch.Tensor  # [hidden]
+    qkv: object  # the packed projections (Linear.packed)
+    o: object
+    gate_up: object
+    down: object
+    k_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor
+
+
+def _projection(packed: object, n: int, k: int) -> _Proj | None:
+    """The C descriptor of a packed projection of shape [n, k], or None if the step cannot run it."""
+    if isinstance(packed, PackedLinear) and packed.panels is not None:
+        kind, w, aux, bias, group = _F32_PANELS, packed.panels.data_ptr(), None, packed._b, 0
+    elif isinstance(packed, Int8Strips):
+        kind, w, aux, bias, group = _INT8, packed._packed_p, packed._scales_p, packed._bias_p, 0
+    elif isinstance(packed, Int4Strips):
+        kind, w, aux, bias, group = _INT4, packed._packed_p, packed._sz_p, packed._bias_p, packed.group_size
+    elif isinstance(packed, BF16Strips):
+        kind, w, aux, bias, group = _BF16_STRIPS, packed._packed_p, None, packed._bias_p, 0
+    else:
+        return None
+    if (packed.n, packed.k) != (n, k):
+        return None
+    return _Proj(kind, group, n, k, w, aux, bias)
+
+
+def _owned(packed: object) -> list[torch.Tensor]:
+    return packed.owned_tensors() + ([packed.bias] if isinstance(packed, PackedLinear) and packed.bias is not None
+                                     else [])
+
+
+class DecodeStep:
+    """The layer loop of a decode step: step(hidden, positions, slots, block_tables, context_lens) ->
+    (hidden, residual), both fp32 [B, hidden]; see build_decode_step."""
+
+    def __init__(self, lib: ctypes.CDLL, model: _Model, layers: ctypes.Array, keep: list[torch.Tensor]) -> None:
+        self._lib, self._model, self._layers, self._keep = lib, model, layers, keep
+        self._model_p = ctypes.addressof(model)
+        self.hidden = model.hidden
+        self._workspace = ThreadScratch()
+        self._size = 0
+
+    def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                 block_tables: torch.Tensor, context_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = hidden.shape[0]
+        if hidden.dtype != _F32 or not hidden.is_contiguous():
+            hidden = hidden.float().contiguous()
+        if (hidden.shape != (batch, self.hidden) or positions.dtype != _I64 or slots.dtype != _I64
+                or block_tables.dtype != _I32 or context_lens.dtype != _I32 or positions.shape != (batch,)
+                or slots.shape != (batch,) or context_lens.shape != (batch,) or block_tables.dim() != 2
+                or block_tables.shape[0] != batch or not positions.is_contiguous() or not slots.is_contiguous()
+                or not block_tables.is_contiguous() or not context_lens.is_contiguous()):
+            raise ValueError("decode step: inputs do not match the batch (hidden [B, H] and int64 positions/slots, "
+                             "int32 block tables and lengths, all contiguous)")
+        out = torch.empty(batch, self.hidden, dtype=_F32)
+        residual = torch.empty(batch, self.hidden, dtype=_F32)
+        threads = max(1, torch.get_num_threads())
+        for _ in range(2):
+            ws = self._workspace.get(self._size)  # grows to what the C side asked for (once per new shape)
+            rc = self._lib.sy_decode_layers(
+                self._model_p, hidden.data_ptr(), batch, positions.data_ptr(), slots.data_ptr(),
+                block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(), out.data_ptr(),
+                residual.data_ptr(), ws, self._workspace.buf.numel(), threads)
+            if rc <= 0:
+                break
+            self._size = int(rc)
+        if rc < 0:
+            _raise(int(rc), self._model, context_lens)
+        return out, residual
+
+
+def _raise(rc: int, model: _Model, lens: torch.Tensor) -> None:
+    if rc == -1:
+        raise ValueError(f"decode step: a block table entry is outside the pool of {model.num_blocks} blocks")
+    if rc == -3:
+        raise ValueError(f"decode step: context length {int(lens.max())} needs more blocks than the block table has")
+    if rc == -4:
+        raise IndexError(f"decode step: a position is outside the rotary table of {model.max_position} positions")
+    if rc == -5:
+        raise IndexError(f"decode step: a slot is beyond the cache's {model.num_blocks * model.block_size} slots")
+    raise RuntimeError(f"decode step: a native kernel failed (rc={rc})")
+
+
+def build_decode_step(layers: Sequence[DecoderLayerWeights], *, num_heads: int, num_kv_heads: int, head_dim: int,
+                      eps: float, scale: float, cos_sin: torch.Tensor) -> DecodeStep | None:
+    """The native step over `layers` (Llama-family decoder layers in order), or None where it does not apply."""
+    lib = cpu_native.library()
+    if lib is None or not layers or cos_sin.dtype != _F32 or not cos_sin.is_contiguous() or cos_sin.dim() != 2:
+        return None
+    first = layers[0]
+    hidden = first.input_norm.shape[0]
+    qd, kvd = num_heads * head_dim, num_kv_heads * head_dim
+    cache = first.k_cache
+    if (head_dim % 16 or head_dim > _MAX_HEAD_DIM or num_heads > _MAX_Q_HEADS or num_kv_heads <= 0
+            or num_heads % num_kv_heads or cos_sin.shape[1] != head_dim or cache.dim() != 4
+            or cache.dtype not in (_F32, _BF16) or cache.shape[2:] != (num_kv_heads, head_dim)
+            or cache.stride(3) != 1):
+        return None
+    num_blocks, block_size = cache.shape[:2]
+    if cache.dtype == _BF16 and block_size * kvd > _MAX_BLOCK_ROW:
+        return None
+    inter = getattr(first.down, "k", 0)
+    keep: list[torch.Tensor] = [cos_sin]
+    rows = (_Layer * len(layers))()
+    for row, layer in zip(rows, layers):
+        norms = []
+        for norm in (layer.input_norm, layer.post_norm):
+            if norm.shape != (hidden,) or norm.device.type != "cpu":
+                return None
+            norms.append(norm.detach().to(_F32).contiguous())
+        projections = [_projection(layer.qkv, qd + 2 * kvd, hidden), _projection(layer.o, hidden, qd),
+                       _projection(layer.gate_up, 2 * inter, hidden), _projection(layer.down, hidden, inter)]
+        if any(p is None for p in projections):
+            return None
+        for c in (layer.k_cache, layer.v_cache):
+            if c.shape != cache.shape or c.stride() != cache.stride() or c.dtype != cache.dtype:
+                return None
+        row.input_norm, row.post_norm = norms[0].data_ptr(), norms[1].data_ptr()
+        row.k_cache, row.v_cache = layer.k_cache.data_ptr(), layer.v_cache.data_ptr()
+        row.qkv, row.o, row.gate_up, row.down = projections
+        keep += norms + [layer.k_cache, layer.v_cache]
+        for packed in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            keep += _owned(packed)
+    model = _Model(len(layers), hidden, num_heads, num_kv_heads, head_dim, inter, eps, scale,
+                   int(cache.dtype == _BF16), block_size, cache.stride(0), cache.stride(1), cache.stride(2),
+                   num_blocks, cos_sin.data_ptr(), cos_sin.shape[0], ctypes.addressof(rows))
+    return DecodeStep(lib, model, rows, keep)
