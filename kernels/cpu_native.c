@@ -12,6 +12,7 @@
  * makes the engine fall back to the torch reference. */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -33,6 +34,7 @@ typedef int32_t i16 __attribute__((vector_size(64)));
 #define MAX_Q_HEADS 128
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK_ROW 16384 /* block_size * Hkv * D values converted per block for bf16 caches */
+#define MAX_CHUNKS 16       /* parts one sequence's attention is split into across threads */
 
 static inline v16 ld(const float *p) { return *(const v16 *)p; }
 
@@ -203,11 +205,12 @@ static void pv_dispatch(const float *p, int64_t ld_s, const float *v, int64_t rs
 
 /* Decode attention for one sequence and all its heads, every cached K/V row read once in block order.
  * q: head j at q + j * q_sh (fp32, contiguous D); scores are scaled by `scale`; out: [Hq, D] contiguous;
- * scores: [Hq, round_up(len, 16)] scratch. D % 16 == 0, D <= 16 * MAX_CH.
+ * scores: [Hq, round_up(len, 16)] scratch. D % 16 == 0, D <= 16 * MAX_CH. stats (NULL or [Hq][2]) gets each
+ * head's score maximum and sum of exp(score - maximum), for merging attention over parts of a sequence.
  * Returns 0, or 1 if a block id is out of range (nothing is read from it). */
 static int decode_seq(const float *q, int64_t q_sh, float scale, const void *kc, const void *vc, int is_bf16,
                       int64_t sb, int64_t so, int64_t sh, const int32_t *table, int64_t num_blocks, int block_size,
-                      int len, int Hq, int Hkv, int D, float *scores, float *out) {
+                      int len, int Hq, int Hkv, int D, float *scores, float *out, float *stats) {
     float acc[MAX_Q_HEADS * MAX_HEAD_DIM] __attribute__((aligned(64)));
     float conv[MAX_BLOCK_ROW] __attribute__((aligned(64)));
     const int G = Hq / Hkv, CH = D / 16, GT = tile_of(CH);
@@ -256,6 +259,7 @@ static int decode_seq(const float *q, int64_t q_sh, float scale, const void *kc,
         float total = 0.0f;
         for (int i = 0; i < 16; i++) total += sum[i];
         inv[j] = 1.0f / total;
+        if (stats) stats[2 * j] = mx, stats[2 * j + 1] = total;
     }
     /* out_j = sum_t p[j, t] v_t / sum_t p[j, t] */
     memset(acc, 0, sizeof(float) * Hq * D);
@@ -299,19 +303,32 @@ int sy_decode_attention(const float *q, int64_t q_sb, int64_t q_sh, float scale,
         if ((len + block_size - 1) / block_size > table_width || (len + 15) / 16 * 16 * Hq > scratch_stride)
             return 3;
     }
-    /* Work items: whole sequences, or with fewer sequences than a few per thread, (sequence, kv head) pairs --
-     * at batch 1 one sequence on one thread left the other cores idle through every layer's attention. */
+    /* Work units: whole sequences; with fewer sequences than a few per thread, (sequence, kv head) pairs, and
+     * with fewer of those than two per thread, each pair's blocks in `chunks` parts merged afterwards -- at
+     * batch 1 one sequence on one thread left the other cores idle through every layer's attention. */
     const int split = B < 4 * threads && Hkv > 1, per_seq = split ? Hkv : 1, G = Hq / Hkv;
+    const int pairs = B * per_seq;
+    int chunks = pairs < 2 * threads ? (2 * threads + pairs - 1) / pairs : 1;
+    chunks = chunks > MAX_CHUNKS ? MAX_CHUNKS : chunks;
+    const int heads = split ? G : Hq;
+    float *parts = NULL; /* per unit: [heads][D] normalised partial outputs, then [heads][2] stats */
+    const int64_t part_floats = (int64_t)heads * (D + 2);
+    if (chunks > 1 && !(parts = malloc(sizeof(float) * part_floats * pairs * chunks))) chunks = 1;
     const int64_t elem = is_bf16 ? 2 : 4;
     int bad = 0;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(| : bad) if (B * per_seq > 1)
-    for (int item = 0; item < B * per_seq; item++) {
-        const int b = item / per_seq, h = item % per_seq, heads = split ? G : Hq;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(| : bad) if (pairs * chunks > 1)
+    for (int unit = 0; unit < pairs * chunks; unit++) {
+        const int pair = unit / chunks, c = unit % chunks, b = pair / per_seq, h = pair % per_seq;
         const float *qb = q + (int64_t)b * q_sb + (int64_t)h * G * q_sh;
-        float *ob = out + (int64_t)b * Hq * D + (int64_t)h * G * D;
-        const int len = lens[b];
-        if (len <= 0) {
+        const int len = lens[b] > 0 ? lens[b] : 0, nblk = (len + block_size - 1) / block_size;
+        /* this unit's blocks: [first, last) of the sequence's nblk */
+        const int first = (int)((int64_t)nblk * c / chunks), last = (int)((int64_t)nblk * (c + 1) / chunks);
+        const int part_len = last * block_size < len ? (last - first) * block_size : len - first * block_size;
+        float *ob = parts ? parts + unit * part_floats : out + (int64_t)b * Hq * D + (int64_t)h * G * D;
+        float *stats = parts ? ob + (int64_t)heads * D : NULL;
+        if (part_len <= 0) {
             memset(ob, 0, sizeof(float) * heads * D);
+            for (int j = 0; stats && j < heads; j++) stats[2 * j] = -INFINITY, stats[2 * j + 1] = 0.0f;
             continue;
         }
 #ifdef _OPENMP
@@ -321,8 +338,33 @@ int sy_decode_attention(const float *q, int64_t q_sb, int64_t q_sh, float scale,
 #endif
         /* one kv head: the caches from that head on, as if they held only it */
         const char *kc = (const char *)k_cache + h * sh * elem, *vc = (const char *)v_cache + h * sh * elem;
-        bad |= decode_seq(qb, q_sh, scale, kc, vc, is_bf16, sb, so, sh, tables + (int64_t)b * table_stride,
-                          num_blocks, block_size, len, heads, split ? 1 : Hkv, D, scores, ob);
+        bad |= decode_seq(qb, q_sh, scale, kc, vc, is_bf16, sb, so, sh, tables + (int64_t)b * table_stride + first,
+                          num_blocks, block_size, part_len, heads, split ? 1 : Hkv, D, scores, ob, stats);
+    }
+    if (parts) { /* softmax over the whole sequence from its parts: weight part c by exp(max_c - max) * sum_c */
+        for (int pair = 0; pair < pairs; pair++) {
+            const int b = pair / per_seq, h = pair % per_seq;
+            for (int j = 0; j < heads; j++) {
+                float mx = -INFINITY, total = 0.0f, w[MAX_CHUNKS];
+                for (int c = 0; c < chunks; c++) {
+                    const float m = parts[(pair * chunks + c) * part_floats + (int64_t)heads * D + 2 * j];
+                    mx = m > mx ? m : mx;
+                }
+                for (int c = 0; c < chunks; c++) {
+                    const float *st = parts + (pair * chunks + c) * part_floats + (int64_t)heads * D + 2 * j;
+                    w[c] = st[1] > 0.0f ? expf(st[0] - mx) * st[1] : 0.0f;
+                    total += w[c];
+                }
+                float *o = out + (int64_t)b * Hq * D + ((int64_t)h * G + j) * D;
+                const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+                for (int d = 0; d < D; d++) {
+                    float v = 0.0f;
+                    for (int c = 0; c < chunks; c++) v += w[c] * parts[(pair * chunks + c) * part_floats + j * D + d];
+                    o[d] = v * inv;
+                }
+            }
+        }
+        free(parts);
     }
     return bad;
 }

@@ -93,6 +93,26 @@ def test_decode_rejects_block_ids_outside_the_pool():
         cpu_native.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables[:, :1], kv.context_lens, 0.3)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [2, 4])
+@pytest.mark.parametrize("num_kv_heads,group,head_dim", [(1, 4, 32), (3, 3, 64)])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_decode_few_sequences_split_across_threads(cache_dtype, threads, num_kv_heads, group, head_dim, block_size):
+    # Fewer sequences than threads: each (sequence, kv head) is cut into parts of its blocks, attended on
+    # different threads and merged -- including parts with no blocks (short sequences) and a zero length.
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        for lens in ([1], [5], [block_size + 1], [300], [200, 3], [0, 77]):
+            kv = make_paged_kv(lens, num_kv_heads, head_dim, block_size, cache_dtype, seed=len(lens) + lens[0])
+            q = 3 * torch.randn(len(lens), num_kv_heads * group, head_dim)  # sharp: most parts weigh ~0
+            out = cpu_native.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens, 0.5)
+            torch.testing.assert_close(out.double(), dense_decode(q, kv, 0.5), atol=ATOL[cache_dtype] * 2,
+                                       rtol=1e-5)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_decode_same_result_on_one_and_two_threads():
     kv = make_paged_kv([50, 3, 120, 17], 2, 32, 16, torch.float32, seed=2)
     q = torch.randn(4, 4, 32)
