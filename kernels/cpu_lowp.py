@@ -25,6 +25,7 @@ from kernels import cpu_native
 
 _F32, _BF16 = torch.float32, torch.bfloat16
 QBLOCK = 32  # activation block of sy_quantize_rows_q8 (as in cpu_lowp.c)
+GROUP_Q8, GROUP_BF16 = 2, 4  # strips per tile group, interleaved step by step (as in cpu_lowp.c; int4: none)
 FEATURE_VNNI, FEATURE_BF16 = 1, 2
 
 
@@ -39,6 +40,15 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
         return t
     pad = torch.zeros((rows - t.shape[0], *t.shape[1:]), dtype=t.dtype)
     return torch.cat([t, pad])
+
+
+def _interleave(strips: torch.Tensor, width: int) -> torch.Tensor:
+    """[S, steps, line] per-strip k-steps -> groups of `width` strips (the last may be narrower) with their
+    steps interleaved, [steps][strip in group][line] within each group: one sequential stream per group."""
+    count, full = strips.shape[0], strips.shape[0] // width * width
+    grouped = strips[:full].view(full // width, width, *strips.shape[1:]).transpose(1, 2).reshape(-1)
+    rest = strips[full:].transpose(0, 1).reshape(-1)
+    return torch.cat([grouped, rest]) if count > full else grouped.contiguous()
 
 
 def _padded_bias(bias: torch.Tensor | None, rows: int) -> torch.Tensor | None:
@@ -125,7 +135,8 @@ class Int8Strips(_QuantStrips):
         q = _pad_rows(w_q.detach(), strips * 16)
         # + 128 as unsigned (the u8 operand of vpdpbusd); the kernel takes 128 * sum(x) back per block
         unsigned = (q.to(torch.int16) + 128).to(torch.uint8)
-        packed = unsigned.view(strips, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+        packed = _interleave(unsigned.view(strips, 16, k // 4, 4).permute(0, 2, 1, 3).reshape(strips, k // 4, 64),
+                             GROUP_Q8)
         super().__init__(n, k, packed, bias, lib)
         self.scales = _pad_rows(scales.detach().float().reshape(-1), strips * 16).contiguous()
         self._scales_p = self.scales.data_ptr()
@@ -189,7 +200,7 @@ class BF16Strips(_Strips):
         n, k = weight.shape
         strips = -(-n // 16)
         w = _pad_rows(weight.detach().to(_BF16), strips * 16)
-        packed = w.view(strips, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+        packed = _interleave(w.view(strips, 16, k // 2, 2).permute(0, 2, 1, 3).reshape(strips, k // 2, 32), GROUP_BF16)
         super().__init__(n, k, packed, bias, lib)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
