@@ -10,7 +10,10 @@ ignore_eos, lengths checked from the usage block):
     Beside it the read-bandwidth roofline: a streaming read of a buffer well above the last-level cache
     (torch.sum over --read-mib MiB on --threads threads, best of 5) divided by the bytes one decode step
     must read at that precision (weights as stored for the GEMMs, head included, + the KV of the positions
-    attended at mid-generation) -- the tok/s no engine can beat on this machine.
+    attended at mid-generation) -- the tok/s no engine can beat on this machine. The read is measured again
+    just before each configuration (this machine's read rate moves between ~40 and ~75 GB/s within an
+    hour), and the configurations run precision by precision, every engine in turn, so the figures compared
+    with each other were taken minutes apart.
   * 64 concurrent: --concurrent-requests requests, --concurrency in flight, prompts spread evenly over
     --concurrent-prompt-tokens (32-512), --concurrent-new-tokens (128) each; output tok/s = all completion
     tokens / wall time of the whole batch (prefill included), TTFT is not separate here (non-streamed). --runs
@@ -230,6 +233,11 @@ def add_roofline(row: dict, bandwidth: float, args, kv_values: int) -> None:
         row["roofline_fraction"] = b1 / row["roofline_tok_s"]
 
 
+def _read_range(meta: dict) -> str:
+    low, high = meta.get("read_gb_s_range") or [meta["read_bandwidth"]["gb_s"]] * 2
+    return f"{low:.1f}–{high:.1f}"
+
+
 def _f(x, spec=".1f") -> str:
     return "—" if x is None else format(x, spec)
 
@@ -240,22 +248,23 @@ def table(res: dict) -> str:
              (f"batch 1: {meta['batch1_prompt_tokens']}-token prompt -> {meta['batch1_new_tokens']} tokens, median of "
              f"{meta['runs']}; {meta['concurrent_requests']} requests with {meta['concurrency']} in flight, prompts "
              f"{meta['concurrent_prompt_tokens'][0]}-{meta['concurrent_prompt_tokens'][1]} tokens, "
-             f"{meta['concurrent_new_tokens']} output tokens each, {meta['runs']} run(s); measured streaming read "
-             f"{meta['read_bandwidth']['gb_s']:.1f} GB/s ({meta['read_bandwidth']['buffer_bytes'] >> 20} MiB, "
-             f"{meta['read_bandwidth']['threads']} threads); run took {meta['seconds']:.0f} s"), "",
+             f"{meta['concurrent_new_tokens']} output tokens each, {meta['runs']} run(s); streaming read "
+             f"({meta['read_bandwidth']['buffer_bytes'] >> 20} MiB, {meta['read_bandwidth']['threads']} threads) "
+             f"measured before each row, {_read_range(meta)} GB/s over the run; run took {meta['seconds']:.0f} s"), "",
              ("| engine | precision | served | 64 concurrent, output tok/s (min–max) | batch-1 decode tok/s | "
-             "TTFT p50 ms | bytes/step MB | roofline tok/s | % of roofline |"),
-             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+             "TTFT p50 ms | bytes/step MB | read GB/s | roofline tok/s | % of roofline |"),
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res["rows"]:
         if "skipped" in r or "error" in r:
             lines.append(f"| {r['engine']} | {r['precision']} | {r.get('served', '')} | "
-                         f"{r.get('skipped') or 'failed: ' + r['error'][:80]} | | | | | |")
+                         f"{r.get('skipped') or 'failed: ' + r['error'][:80]} | | | | | | |")
             continue
         c, b = r.get("concurrent") or {}, r.get("batch1") or {}
         conc = f"{_f(c.get('output_tok_s'))} ({_f(c.get('min'))}–{_f(c.get('max'))})" if c else "—"
         lines.append(f"| {r['engine']} | {r['precision']} | {r['served']} | {conc} | {_f(b.get('decode_tok_s'))} | "
                      f"{_f(b['ttft_p50_s'] * 1e3 if b.get('ttft_p50_s') else None, '.0f')} | "
-                     f"{_f(r['step_bytes'] / 1e6, '.0f')} | {_f(r.get('roofline_tok_s'), '.0f')} | "
+                     f"{_f(r['step_bytes'] / 1e6, '.0f')} | {_f(r.get('read_gb_s'))} | "
+                     f"{_f(r.get('roofline_tok_s'), '.0f')} | "
                      f"{_f(100 * r['roofline_fraction'] if r.get('roofline_fraction') else None, '.0f')} |")
     lines += ["", "## Targets (issue 13)", ""] + [f"- {t}" for t in res["targets"]]
     return "\n".join(lines) + "\n"
@@ -318,14 +327,18 @@ def main(argv: list[str] | None = None) -> int:
     kv_values = kv_values_per_position(files["F32"])
     bandwidth = read_bandwidth(args.read_mib, args.threads)
     log(f"streaming read: {bandwidth['gb_s']:.1f} GB/s")
+    reads = []
     batch1_prompt = peers.prompt_token_ids(args.batch1_prompt_tokens)
     prompts = concurrent_prompts(args)
     rows = []
-    for engine in engines:
-        for precision in precisions:
-            log(f"{engine} {precision} ...")
+    for precision in precisions:
+        for engine in engines:
+            read = read_bandwidth(args.read_mib, args.threads)["gb_s"]
+            reads.append(read)
+            log(f"{engine} {precision} (streaming read now {read:.1f} GB/s) ...")
             row = run_config(engine, precision, args, prompts, batch1_prompt, files, hf_dir)
-            add_roofline(row, bandwidth["gb_s"], args, kv_values)
+            row["read_gb_s"] = read
+            add_roofline(row, read, args, kv_values)
             b, c = row.get("batch1") or {}, row.get("concurrent") or {}
             log(f"{engine} {precision}: batch-1 {_f(b.get('decode_tok_s'))} tok/s, "
                 f"concurrent {_f(c.get('output_tok_s'))} tok/s")
@@ -335,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
                     "concurrency": args.concurrency, "concurrent_requests": args.concurrent_requests,
                     "concurrent_prompt_tokens": args.concurrent_prompt_tokens,
                     "concurrent_new_tokens": args.concurrent_new_tokens, "read_bandwidth": bandwidth,
+                    "read_gb_s_range": [min(reads, default=0.0), max(reads, default=0.0)],
                     "llama_cpp": peers.llamacpp_version(), "seconds": time.time() - t0},
            "rows": rows}
     res["targets"] = check_targets(rows)
