@@ -58,26 +58,30 @@ class DecoderLayerWeights:
     v_cache: torch.Tensor
 
 
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
 def _projection(packed: object, n: int, k: int) -> _Proj | None:
     """The C descriptor of a packed projection of shape [n, k], or None if the step cannot run it."""
     if isinstance(packed, PackedLinear) and packed.panels is not None:
-        kind, w, aux, bias, group = _F32_PANELS, packed.panels.data_ptr(), None, packed._b, 0
+        kind, w, aux, group = _F32_PANELS, packed.panels, None, 0
     elif isinstance(packed, Int8Strips):
-        kind, w, aux, bias, group = _INT8, packed._packed_p, packed._scales_p, packed._bias_p, 0
+        kind, w, aux, group = _INT8, packed.packed, packed.scales, 0
     elif isinstance(packed, Int4Strips):
-        kind, w, aux, bias, group = _INT4, packed._packed_p, packed._sz_p, packed._bias_p, packed.group_size
+        kind, w, aux, group = _INT4, packed.packed, packed.sz, packed.group_size
     elif isinstance(packed, BF16Strips):
-        kind, w, aux, bias, group = _BF16_STRIPS, packed._packed_p, None, packed._bias_p, 0
+        kind, w, aux, group = _BF16_STRIPS, packed.packed, None, 0
     else:
         return None
     if (packed.n, packed.k) != (n, k):
         return None
-    return _Proj(kind, group, n, k, w, aux, bias)
+    return _Proj(kind, group, n, k, _ptr(w), _ptr(aux), _ptr(packed.bias))
 
 
 def _owned(packed: object) -> list[torch.Tensor]:
-    return packed.owned_tensors() + ([packed.bias] if isinstance(packed, PackedLinear) and packed.bias is not None
-                                     else [])
+    bias = [packed.bias] if isinstance(packed, PackedLinear) and packed.bias is not None else []
+    return packed.owned_tensors() + bias
 
 
 class DecodeStep:
