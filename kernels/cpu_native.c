@@ -1,5 +1,6 @@
 /* CPU kernels for the engine's memory-bound hot paths, compiled at first use by kernels/cpu_native.py:
  *   sy_decode_attention  paged decode attention, each cached K/V row read once (fp32 or bf16 cache)
+ *   sy_prefill_attention paged causal attention of new tokens over their cached prefix and themselves
  *   sy_linear_f32        y = x W^T (+ b) for a few rows of x, streaming W once in memory order
  *   sy_pack_panels_f32   W [N, K] -> column panels for sy_gemm_panels_f32
  *   sy_gemm_panels_f32   y = x W^T (+ b) for any number of rows, from the panels (register-tiled, prefetching)
@@ -365,6 +366,58 @@ int sy_decode_attention(const float *q, int64_t q_sb, int64_t q_sh, float scale,
             }
         }
         free(parts);
+    }
+    return bad;
+}
+
+/* Paged prefill / extend attention: the new tokens of P sequences packed as q [T, Hq, D] (token t of sequence p
+ * is row cu[p] + i, at position lens[p] - (cu[p + 1] - cu[p]) + i), each attending causally to every cached
+ * position up to its own (its own K/V already written). Each (token, kv head) is one decode over the
+ * positions it sees, so the causal mask costs nothing and each K/V row is read from cache once per query
+ * -- the sequence's K/V stay in L2/L3 while its tokens pass over them. torch's SDPA here ran the chunked,
+ * masked prefill of a 64-request batch at ~a fifth of its bf16 step time (MKL sgemm on small tiles).
+ * out [T, Hq, D] fp32 contiguous; other arguments as sy_decode_attention (scratch_stride >= Hq *
+ * round_up(max lens, 16)). Returns 0; 1 for a block id outside the pool; 2 for an unsupported shape; 3 if a
+ * length needs more table columns than table_width or scratch than scratch_stride, or a sequence has more
+ * new tokens than its length. */
+int sy_prefill_attention(const float *q, int64_t q_st, int64_t q_sh, float scale, const void *k_cache,
+                         const void *v_cache, int is_bf16, int64_t sb, int64_t so, int64_t sh, int64_t num_blocks,
+                         int block_size, const int32_t *tables, int64_t table_stride, int64_t table_width,
+                         const int32_t *cu, const int32_t *lens, int P, int Hq, int Hkv, int D, float *out,
+                         float *scratch, int64_t scratch_stride, int threads) {
+    if (D % 16 || D < 16 || D > MAX_HEAD_DIM || Hq > MAX_Q_HEADS || Hkv <= 0 || Hq % Hkv ||
+        (is_bf16 && (int64_t)block_size * D > MAX_BLOCK_ROW))
+        return 2;
+    if (P <= 0) return 0;
+    for (int p = 0; p < P; p++) {
+        const int64_t len = lens[p], n_new = (int64_t)cu[p + 1] - cu[p];
+        if (n_new < 0 || n_new > len || (len + block_size - 1) / block_size > table_width ||
+            (len + 15) / 16 * 16 * Hq > scratch_stride)
+            return 3;
+    }
+    const int T = cu[P] - cu[0], G = Hq / Hkv;
+    const int64_t elem = is_bf16 ? 2 : 4;
+    int bad = 0;
+#pragma omp parallel for schedule(dynamic, 4) num_threads(threads) reduction(| : bad) if ((int64_t)T * Hkv > 1)
+    for (int64_t unit = 0; unit < (int64_t)T * Hkv; unit++) {
+        /* longest first: walk the tokens from the end (later tokens see more positions) */
+        const int t = T - 1 - (int)(unit / Hkv), h = (int)(unit % Hkv), row = cu[0] + t;
+        int lo = 0, hi = P - 1; /* the sequence holding row: the last p with cu[p] <= row */
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) / 2;
+            if (cu[mid] <= row) lo = mid;
+            else hi = mid - 1;
+        }
+        const int p = lo, len = lens[p] - (cu[p + 1] - 1 - row); /* positions 0 .. own */
+#ifdef _OPENMP
+        float *scores = scratch + (int64_t)omp_get_thread_num() * scratch_stride;
+#else
+        float *scores = scratch;
+#endif
+        const char *kc = (const char *)k_cache + h * sh * elem, *vc = (const char *)v_cache + h * sh * elem;
+        bad |= decode_seq(q + (int64_t)t * q_st + (int64_t)h * G * q_sh, q_sh, scale, kc, vc, is_bf16, sb, so, sh,
+                          tables + (int64_t)p * table_stride, num_blocks, block_size, len, G, 1, D, scores,
+                          out + ((int64_t)t * Hq + (int64_t)h * G) * D, NULL);
     }
     return bad;
 }

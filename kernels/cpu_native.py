@@ -149,6 +149,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sy_decode_attention.argtypes = [p, i64, i64, f32, p, p, i32, i64, i64, i64, i64, i32, p, i64, i64, p, i32,
                                         i32, i32, i32, p, p, i64, i32]
     lib.sy_decode_attention.restype = i32
+    lib.sy_prefill_attention.argtypes = [p, i64, i64, f32, p, p, i32, i64, i64, i64, i64, i32, p, i64, i64, p, p,
+                                         i32, i32, i32, i32, p, p, i64, i32]
+    lib.sy_prefill_attention.restype = i32
     lib.sy_linear_f32.argtypes = [p, i64, p, i64, p, p, i64, i32, i64, i64, i32]
     lib.sy_linear_f32.restype = None
     lib.sy_rotary_f32.argtypes = [p, i64, i64, i32, p, i64, i64, i32, i32, i32, p, p, i64, p, p]
@@ -253,6 +256,51 @@ def paged_decode_attention(
     if rc == 3:
         raise ValueError(f"paged_decode_attention: context length {int(lens.max())} needs more blocks than "
                          f"the {tables.shape[1]} columns of block_tables")
+    if rc != 0:
+        return None
+    return out if q.dtype == _F32 else out.to(q.dtype)
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                            cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+                            scale: float) -> torch.Tensor | None:
+    """As kernels.ops.paged_prefill_attention (fp32 or bf16 caches, head_dim a multiple of 16), or None.
+    Raises ValueError for a block table entry outside the pool, a table too narrow for a length, or more new
+    tokens than a sequence's length."""
+    lib = library()
+    if lib is None or q.requires_grad or q.device.type != "cpu" or k_cache.device.type != "cpu":
+        return None
+    tokens, num_q_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    cache_dtype = k_cache.dtype
+    if (cache_dtype not in (_F32, _BF16) or v_cache.dtype != cache_dtype or k_cache.stride() != v_cache.stride()
+            or k_cache.stride(3) != 1 or head_dim % 16 or head_dim > _MAX_HEAD_DIM or num_q_heads > _MAX_Q_HEADS
+            or (cache_dtype == _BF16 and block_size * head_dim > _MAX_BLOCK_ROW)
+            or cu_seqlens_q.shape[0] != context_lens.shape[0] + 1):
+        return None
+    out = torch.empty(tokens, num_q_heads, head_dim, dtype=_F32)
+    seqs = context_lens.shape[0]
+    if tokens == 0 or seqs == 0:
+        return out.to(q.dtype)
+    qf = q if q.dtype == _F32 and q.stride(2) == 1 else q.float().contiguous()
+    lens = context_lens.to(_I32).contiguous()
+    cu = cu_seqlens_q.to(_I32).contiguous()
+    tables = block_tables.to(_I32).contiguous()
+    if int(cu[-1]) - int(cu[0]) != tokens:
+        raise ValueError(f"paged_prefill_attention: cu_seqlens_q spans {int(cu[-1]) - int(cu[0])} tokens, q has {tokens}")
+    threads = max(1, torch.get_num_threads())
+    per_thread = num_q_heads * ((max(int(lens.max()), 1) + 15) // 16 * 16)
+    scores = _scores_buffer(threads * per_thread)
+    rc = lib.sy_prefill_attention(
+        qf.data_ptr(), qf.stride(0), qf.stride(1), scale, k_cache.data_ptr(), v_cache.data_ptr(),
+        int(cache_dtype == _BF16), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), num_blocks, block_size,
+        tables.data_ptr(), tables.stride(0), tables.shape[1], cu.data_ptr(), lens.data_ptr(), seqs, num_q_heads,
+        num_kv_heads, head_dim, out.data_ptr(), scores.data_ptr(), per_thread, threads)
+    if rc == 1:
+        raise ValueError(f"paged_prefill_attention: a block table entry is outside the pool of {num_blocks} blocks")
+    if rc == 3:
+        raise ValueError("paged_prefill_attention: a sequence has more new tokens than its length, or needs more "
+                         f"blocks than the {tables.shape[1]} columns of block_tables")
     if rc != 0:
         return None
     return out if q.dtype == _F32 else out.to(q.dtype)

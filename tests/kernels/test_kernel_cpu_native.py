@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from kernels import cpu_native, ops, reference
 from tests.kernels.native_setup import native_on, needs_compiler  # noqa: F401 - native_on: an autouse fixture
-from tests.kernels.paged_cases import dense_decode, make_paged_kv
+from tests.kernels.paged_cases import cu_seqlens, dense_decode, dense_prefill, make_paged_kv
 
 torch.set_num_threads(2)
 
@@ -111,6 +111,44 @@ def test_decode_few_sequences_split_across_threads(cache_dtype, threads, num_kv_
                                        rtol=1e-5)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_kv_heads,group,head_dim", [(2, 1, 16), (1, 4, 32), (3, 3, 64), (2, 3, 128)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prefill_matches_dense(cache_dtype, num_kv_heads, group, head_dim, threads):
+    # (context length, new tokens): plain prefill, a prefix hit, a chunked continuation, a one-token extend,
+    # a sequence with nothing new this step, and a long one.
+    cases = [(9, 9), (21, 5), (48, 16), (7, 1), (12, 0), (300, 300)]
+    lens, q_lens = [c for c, _ in cases], [n for _, n in cases]
+    kv = make_paged_kv(lens, num_kv_heads, head_dim, 16, cache_dtype, seed=head_dim + group)
+    q = 2 * torch.randn(sum(q_lens), num_kv_heads * group, head_dim)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        args = (q, kv.k_cache, kv.v_cache, kv.block_tables, cu_seqlens(q_lens), kv.context_lens, 0.3)
+        out = cpu_native.paged_prefill_attention(*args)
+        via_ops = ops.select("cpu").paged_prefill_attention(*args)  # the engine's CPU backend takes it
+    finally:
+        torch.set_num_threads(before)
+    assert out is not None and out.shape == q.shape and torch.equal(via_ops, out)
+    torch.testing.assert_close(out.double(), dense_prefill(q, q_lens, kv, 0.3), atol=ATOL[cache_dtype] * 2,
+                               rtol=1e-5)
+
+
+def test_prefill_rejects_bad_tables_and_lengths():
+    kv = make_paged_kv([9, 5], 1, 16, 4, torch.float32)
+    q = torch.randn(6, 2, 16)
+    cu = cu_seqlens([3, 3])
+    tables = kv.block_tables.clone()
+    tables[1, 0] = kv.k_cache.shape[0]
+    with pytest.raises(ValueError, match="outside the pool"):
+        cpu_native.paged_prefill_attention(q, kv.k_cache, kv.v_cache, tables, cu, kv.context_lens, 0.3)
+    with pytest.raises(ValueError, match="more new tokens"):
+        cpu_native.paged_prefill_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, cu_seqlens([3, 3]),
+                                           torch.tensor([9, 2], dtype=torch.int32), 0.3)
+    with pytest.raises(ValueError, match="spans"):
+        cpu_native.paged_prefill_attention(q[:5], kv.k_cache, kv.v_cache, kv.block_tables, cu, kv.context_lens, 0.3)
 
 
 def test_decode_same_result_on_one_and_two_threads():
