@@ -17,13 +17,11 @@ import torch
 
 from kernels import cpu_native
 from kernels.cpu_lowp import BF16Strips, Int4Strips, Int8Strips, ThreadScratch
-from kernels.cpu_native import PackedLinear
+from kernels.cpu_native import MAX_BLOCK_ROW, MAX_HEAD_DIM, MAX_Q_HEADS, PackedLinear
 
 _F32, _BF16, _I32, _I64 = torch.float32, torch.bfloat16, torch.int32, torch.int64
 _P, _I = ctypes.c_void_p, ctypes.c_int32
-# cpu_decode.c's PROJ_* and ERR_*
-_F32_PANELS, _INT8, _INT4, _BF16_STRIPS = 1, 2, 3, 4
-_MAX_Q_HEADS, _MAX_HEAD_DIM, _MAX_BLOCK_ROW = 128, 256, 16384  # as in cpu_native.c
+_F32_PANELS, _INT8, _INT4, _BF16_STRIPS = 1, 2, 3, 4  # cpu_decode.c's PROJ_*
 
 
 class _Proj(ctypes.Structure):
@@ -146,13 +144,13 @@ def build_decode_step(layers: Sequence[DecoderLayerWeights], *, num_heads: int, 
     hidden = first.input_norm.shape[0]
     qd, kvd = num_heads * head_dim, num_kv_heads * head_dim
     cache = first.k_cache
-    if (head_dim % 16 or head_dim > _MAX_HEAD_DIM or num_heads > _MAX_Q_HEADS or num_kv_heads <= 0
+    if (head_dim % 16 or head_dim > MAX_HEAD_DIM or num_heads > MAX_Q_HEADS or num_kv_heads <= 0
             or num_heads % num_kv_heads or cos_sin.shape[1] != head_dim or cache.dim() != 4
             or cache.dtype not in (_F32, _BF16) or cache.shape[2:] != (num_kv_heads, head_dim)
             or cache.stride(3) != 1):
         return None
     num_blocks, block_size = cache.shape[:2]
-    if cache.dtype == _BF16 and block_size * kvd > _MAX_BLOCK_ROW:
+    if cache.dtype == _BF16 and block_size * kvd > MAX_BLOCK_ROW:
         return None
     inter = getattr(first.down, "k", 0)
     keep: list[torch.Tensor] = [cos_sin]

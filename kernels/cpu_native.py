@@ -183,7 +183,7 @@ def _declare(lib: ctypes.CDLL) -> None:
 # reference instead. They are on the per-layer path of every decode step, so checks are kept to what
 # memory safety needs; the C side re-checks indices against the pool.
 
-_MAX_Q_HEADS, _MAX_HEAD_DIM, _MAX_BLOCK_ROW = 128, 256, 16384  # as in cpu_native.c
+MAX_Q_HEADS, MAX_HEAD_DIM, MAX_BLOCK_ROW = 128, 256, 16384  # as in cpu_native.c
 _F32, _BF16, _I32, _I64 = torch.float32, torch.bfloat16, torch.int32, torch.int64
 
 
@@ -223,9 +223,9 @@ def paged_decode_attention(
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     cache_dtype = k_cache.dtype
     if (cache_dtype not in (_F32, _BF16) or v_cache.dtype != cache_dtype or k_cache.stride() != v_cache.stride()
-            or k_cache.stride(3) != 1 or head_dim % 16 or head_dim > _MAX_HEAD_DIM
-            or num_q_heads > _MAX_Q_HEADS
-            or (cache_dtype == _BF16 and block_size * num_kv_heads * head_dim > _MAX_BLOCK_ROW)):
+            or k_cache.stride(3) != 1 or head_dim % 16 or head_dim > MAX_HEAD_DIM
+            or num_q_heads > MAX_Q_HEADS
+            or (cache_dtype == _BF16 and block_size * num_kv_heads * head_dim > MAX_BLOCK_ROW)):
         return None
     out = torch.empty(batch, num_q_heads, head_dim, dtype=_F32)
     if batch == 0:
@@ -274,8 +274,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     cache_dtype = k_cache.dtype
     if (cache_dtype not in (_F32, _BF16) or v_cache.dtype != cache_dtype or k_cache.stride() != v_cache.stride()
-            or k_cache.stride(3) != 1 or head_dim % 16 or head_dim > _MAX_HEAD_DIM or num_q_heads > _MAX_Q_HEADS
-            or (cache_dtype == _BF16 and block_size * head_dim > _MAX_BLOCK_ROW)
+            or k_cache.stride(3) != 1 or head_dim % 16 or head_dim > MAX_HEAD_DIM or num_q_heads > MAX_Q_HEADS
+            or (cache_dtype == _BF16 and block_size * head_dim > MAX_BLOCK_ROW)
             or cu_seqlens_q.shape[0] != context_lens.shape[0] + 1):
         return None
     out = torch.empty(tokens, num_q_heads, head_dim, dtype=_F32)

@@ -12,7 +12,7 @@ from torch import nn
 from hosted.config import ModelConfig
 from hosted.layers.attention import AttentionMetadata, PagedAttention
 from hosted.layers.linear import Linear, TiedHead
-from kernels.cpu_decode import DecodeStep, DecoderLayerWeights
+from kernels.cpu_decode import DecoderLayerWeights, DecodeStep
 from kernels.huge_pages import move_packed_to_huge_pages
 from kernels.ops import Kernels
 

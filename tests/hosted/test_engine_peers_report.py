@@ -9,7 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
-import engine_peers  # noqa: E402
+import engine_peers
 
 
 def _row(engine, precision, b1, conc, read, step_mb=100.0):
