@@ -14,7 +14,8 @@ from tests.kernels.native_setup import native_on, needs_compiler  # noqa: F401 -
 torch.set_num_threads(2)
 
 pytestmark = needs_compiler
-SHAPES = [(1, 576, 576), (2, 48, 64), (3, 70, 96), (4, 1536, 576), (5, 576, 1536), (9, 33, 128), (64, 200, 576)]
+SHAPES = [(1, 576, 576), (2, 48, 64), (3, 70, 96), (4, 1536, 576), (5, 576, 1536), (6, 80, 64), (9, 33, 128),
+          (13, 50, 160), (64, 200, 576)]
 
 
 
