@@ -204,6 +204,16 @@ static void pv_dispatch(const float *p, int64_t ld_s, const float *v, int64_t rs
 #undef PV
 }
 
+/* This thread's row of a [threads, stride] scratch buffer. */
+static inline float *thread_scratch(float *scratch, int64_t stride) {
+#ifdef _OPENMP
+    return scratch + (int64_t)omp_get_thread_num() * stride;
+#else
+    (void)stride;
+    return scratch;
+#endif
+}
+
 /* Decode attention for one sequence and all its heads, every cached K/V row read once in block order.
  * q: head j at q + j * q_sh (fp32, contiguous D); scores are scaled by `scale`; out: [Hq, D] contiguous;
  * scores: [Hq, round_up(len, 16)] scratch. D % 16 == 0, D <= 16 * MAX_CH. stats (NULL or [Hq][2]) gets each
@@ -332,11 +342,7 @@ int sy_decode_attention(const float *q, int64_t q_sb, int64_t q_sh, float scale,
             for (int j = 0; stats && j < heads; j++) stats[2 * j] = -INFINITY, stats[2 * j + 1] = 0.0f;
             continue;
         }
-#ifdef _OPENMP
-        float *scores = scratch + (int64_t)omp_get_thread_num() * scratch_stride;
-#else
-        float *scores = scratch;
-#endif
+        float *scores = thread_scratch(scratch, scratch_stride);
         /* one kv head: the caches from that head on, as if they held only it */
         const char *kc = (const char *)k_cache + h * sh * elem, *vc = (const char *)v_cache + h * sh * elem;
         bad |= decode_seq(qb, q_sh, scale, kc, vc, is_bf16, sb, so, sh, tables + (int64_t)b * table_stride + first,
@@ -409,11 +415,7 @@ int sy_prefill_attention(const float *q, int64_t q_st, int64_t q_sh, float scale
             else hi = mid - 1;
         }
         const int p = lo, len = lens[p] - (cu[p + 1] - 1 - row); /* positions 0 .. own */
-#ifdef _OPENMP
-        float *scores = scratch + (int64_t)omp_get_thread_num() * scratch_stride;
-#else
-        float *scores = scratch;
-#endif
+        float *scores = thread_scratch(scratch, scratch_stride);
         const char *kc = (const char *)k_cache + h * sh * elem, *vc = (const char *)v_cache + h * sh * elem;
         bad |= decode_seq(q + (int64_t)t * q_st + (int64_t)h * G * q_sh, q_sh, scale, kc, vc, is_bf16, sb, so, sh,
                           tables + (int64_t)p * table_stride, num_blocks, block_size, len, G, 1, D, scores,

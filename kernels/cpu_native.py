@@ -206,6 +206,19 @@ def _scores_buffer(numel: int) -> torch.Tensor:
     return s.scores
 
 
+def _attention_fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, converted_heads: int) -> bool:
+    """Whether the native attention kernels take these tensors: CPU, no autograd, fp32/bf16 caches of one layout,
+    head_dim a multiple of 16 within the kernels' limits (`converted_heads`: the KV heads of a bf16 block the
+    kernel converts at once)."""
+    head_dim, num_q_heads, block_size = q.shape[-1], q.shape[1], k_cache.shape[1]
+    dtype = k_cache.dtype
+    return (not q.requires_grad and q.device.type == "cpu" and k_cache.device.type == "cpu"
+            and dtype in (_F32, _BF16) and v_cache.dtype == dtype and k_cache.stride() == v_cache.stride()
+            and k_cache.stride(3) == 1 and head_dim % 16 == 0 and head_dim <= MAX_HEAD_DIM
+            and num_q_heads <= MAX_Q_HEADS
+            and (dtype != _BF16 or block_size * converted_heads * head_dim <= MAX_BLOCK_ROW))
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -217,16 +230,11 @@ def paged_decode_attention(
     """As kernels.ops.paged_decode_attention (fp32 or bf16 caches, head_dim a multiple of 16), or None.
     Raises ValueError for a block table entry outside the pool or a table too narrow for a length."""
     lib = library()
-    if lib is None or q.requires_grad or q.device.type != "cpu" or k_cache.device.type != "cpu":
+    if lib is None or not _attention_fits(q, k_cache, v_cache, converted_heads=k_cache.shape[2]):
         return None
     batch, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     cache_dtype = k_cache.dtype
-    if (cache_dtype not in (_F32, _BF16) or v_cache.dtype != cache_dtype or k_cache.stride() != v_cache.stride()
-            or k_cache.stride(3) != 1 or head_dim % 16 or head_dim > MAX_HEAD_DIM
-            or num_q_heads > MAX_Q_HEADS
-            or (cache_dtype == _BF16 and block_size * num_kv_heads * head_dim > MAX_BLOCK_ROW)):
-        return None
     out = torch.empty(batch, num_q_heads, head_dim, dtype=_F32)
     if batch == 0:
         return out.to(q.dtype)
@@ -268,16 +276,12 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     Raises ValueError for a block table entry outside the pool, a table too narrow for a length, or more new
     tokens than a sequence's length."""
     lib = library()
-    if lib is None or q.requires_grad or q.device.type != "cpu" or k_cache.device.type != "cpu":
+    if (lib is None or not _attention_fits(q, k_cache, v_cache, converted_heads=1)
+            or cu_seqlens_q.shape[0] != context_lens.shape[0] + 1):
         return None
     tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     cache_dtype = k_cache.dtype
-    if (cache_dtype not in (_F32, _BF16) or v_cache.dtype != cache_dtype or k_cache.stride() != v_cache.stride()
-            or k_cache.stride(3) != 1 or head_dim % 16 or head_dim > MAX_HEAD_DIM or num_q_heads > MAX_Q_HEADS
-            or (cache_dtype == _BF16 and block_size * head_dim > MAX_BLOCK_ROW)
-            or cu_seqlens_q.shape[0] != context_lens.shape[0] + 1):
-        return None
     out = torch.empty(tokens, num_q_heads, head_dim, dtype=_F32)
     seqs = context_lens.shape[0]
     if tokens == 0 or seqs == 0:
