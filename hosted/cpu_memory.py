@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from kernels.huge_pages import HUGE_PAGE, empty_on_huge_pages
+from kernels.huge_pages import empty_on_huge_pages, move_to_huge_pages
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 _MMAP_THRESHOLD_MAX = 32 << 20  # glibc's upper limit for M_MMAP_THRESHOLD on 64-bit
@@ -38,42 +38,27 @@ def cpu_zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch
     return empty_on_huge_pages(numel, dtype).zero_().view(shape)
 
 
-_MOVE_CHUNK_BYTES = 256 << 20  # parameters are moved a chunk at a time: the extra memory while moving
+class _Parameter:
+    """A parameter as kernels.huge_pages moves it: its data, re-pointed at the copy."""
+
+    __slots__ = ("param",)
+
+    def __init__(self, param: torch.nn.Parameter) -> None:
+        self.param = param
+
+    def owned_tensors(self) -> list[torch.Tensor]:
+        return [self.param.data]
+
+    def rebind(self, take) -> None:
+        self.param.data = take(self.param.data)
 
 
 def move_parameters_to_huge_pages(model: torch.nn.Module) -> None:
-    """Copy the parameters into huge-page-backed buffers (up to _MOVE_CHUNK_BYTES each, per dtype) and point
-    them there. Batch-1 decode streams every weight once per step; on 4 KiB pages the stream stalls at each
-    page (TLB walk, prefetcher restart): the GEMV read 14-16 GB/s on 4 KiB pages, 17-20 GB/s on 2 MiB pages
-    here (1 thread; 21 vs 30 GB/s with 2)."""
-    seen: set[int] = set()
-    pending: dict[torch.dtype, list[torch.nn.Parameter]] = {}
-    for p in model.parameters():  # tied weights appear once
-        if id(p) in seen or p.device.type != "cpu" or not p.is_contiguous():
-            continue
-        seen.add(id(p))
-        group = pending.setdefault(p.dtype, [])
-        group.append(p)
-        if sum(q.numel() * q.element_size() for q in group) >= _MOVE_CHUNK_BYTES:
-            _move_group(group)
-            group.clear()
-    for group in pending.values():
-        _move_group(group)
-
-
-def _move_group(params: list[torch.nn.Parameter]) -> None:
-    align = 64  # elements: keeps every parameter's start cache-line aligned
-    sizes = [-(-p.numel() // align) * align for p in params]
-    if not params or sum(sizes) * params[0].element_size() < 4 * HUGE_PAGE:
-        return
-    flat = empty_on_huge_pages(sum(sizes), params[0].dtype)
-    offset = 0
-    with torch.no_grad():
-        for p, size in zip(params, sizes):
-            view = flat[offset:offset + p.numel()].view(p.shape)
-            view.copy_(p.data)
-            p.data = view
-            offset += size
+    """Copy the parameters into huge-page-backed buffers and point them there. Batch-1 decode streams every
+    weight once per step; on 4 KiB pages the stream stalls at each page (TLB walk, prefetcher restart): the
+    GEMV read 14-16 GB/s on 4 KiB pages, 17-20 GB/s on 2 MiB pages here (1 thread; 21 vs 30 GB/s with 2)."""
+    params = {id(p): p for p in model.parameters() if p.device.type == "cpu" and p.is_contiguous()}  # tied: once
+    move_to_huge_pages(_Parameter(p) for p in params.values())
 
 
 def tune_process_for(model: torch.nn.Module) -> None:

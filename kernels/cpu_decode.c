@@ -177,12 +177,12 @@ int64_t sy_decode_layers(const sy_model *m, const float *hidden_in, int B, const
     void *lowp = w.lowp;
     const int64_t score_stride = (int64_t)Hq * ((max_len + 15) / 16 * 16);
 
-    memcpy(hidden, hidden_in, sizeof(float) * B * H);
     for (int l = 0; l < m->num_layers; l++) {
         const sy_layer *L = &m->layers[l];
-        /* residual += hidden; x = norm(residual) (layer 0: residual = hidden) */
-        sy_rms_norm_f32(hidden, H, l ? residual : NULL, H, L->input_norm, x, l ? residual : NULL, B, H, m->eps);
-        if (!l) memcpy(residual, hidden, sizeof(float) * B * H);
+        /* residual += hidden; x = norm(residual) (layer 0: residual = the embedded tokens) */
+        sy_rms_norm_f32(l ? hidden : hidden_in, H, l ? residual : NULL, H, L->input_norm, x, l ? residual : NULL, B,
+                        H, m->eps);
+        if (!l) memcpy(residual, hidden_in, sizeof(float) * B * H);
         if (project(&L->qkv, x, B, qkv, lowp, threads)) return ERR_KERNEL;
         if (sy_rotary_f32(qkv, nqkv, D, Hq, qkv + qd, nqkv, D, Hkv, B, D, positions, m->cos_sin, m->max_position,
                           q_rot, k_rot))

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import cpu_native
-from kernels.cpu_lowp import BF16Strips, Int4Strips, Int8Strips, ThreadScratch
+from kernels.cpu_lowp import BF16Strips, Int4Strips, Int8Strips, ThreadScratch, data_ptr
 from kernels.cpu_native import MAX_BLOCK_ROW, MAX_HEAD_DIM, MAX_Q_HEADS, PackedLinear
 
 _F32, _BF16, _I32, _I64 = torch.float32, torch.bfloat16, torch.int32, torch.int64
@@ -56,10 +56,6 @@ class DecoderLayerWeights:
     v_cache: torch.Tensor
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
 def _projection(packed: object, n: int, k: int) -> _Proj | None:
     """The C descriptor of a packed projection of shape [n, k], or None if the step cannot run it."""
     if isinstance(packed, PackedLinear) and packed.panels is not None:
@@ -74,7 +70,7 @@ def _projection(packed: object, n: int, k: int) -> _Proj | None:
         return None
     if (packed.n, packed.k) != (n, k):
         return None
-    return _Proj(kind, group, n, k, _ptr(w), _ptr(aux), _ptr(packed.bias))
+    return _Proj(kind, group, n, k, data_ptr(w), data_ptr(aux), data_ptr(packed.bias))
 
 
 def _owned(packed: object) -> list[torch.Tensor]:

@@ -72,16 +72,22 @@ class ThreadScratch(threading.local):
 _scratch = ThreadScratch()  # the int8-rounded activations of one projection
 
 
-class _Strips:
-    """What the three packed forms share: shapes, bias, the call's argument checks."""
+def data_ptr(t: torch.Tensor | None) -> int | None:
+    """The address a kernel argument takes (None for an absent bias)."""
+    return None if t is None else t.data_ptr()
 
-    __slots__ = ("_bias_p", "_lib", "_packed_p", "bias", "k", "n", "packed")
+
+class _Strips:
+    """What the three packed forms share: shapes, bias, the tensors the kernel reads, the call's checks."""
+
+    __slots__ = ("_lib", "bias", "k", "n", "packed")
+    # Attributes holding the tensors the kernel reads (a subclass adds its own): what owned_tensors lists and
+    # rebind moves.
+    KERNEL_TENSORS: tuple[str, ...] = ("packed", "bias")
 
     def __init__(self, n: int, k: int, packed: torch.Tensor, bias: torch.Tensor | None, lib: ctypes.CDLL) -> None:
         self.n, self.k, self.packed, self._lib = n, k, packed, lib
         self.bias = _padded_bias(bias, -(-n // 16) * 16)
-        self._bias_p = self.bias.data_ptr() if self.bias is not None else None
-        self._packed_p = packed.data_ptr()
 
     @property
     def extra_bytes(self) -> int:
@@ -90,15 +96,13 @@ class _Strips:
 
     def owned_tensors(self) -> list[torch.Tensor]:
         """The tensors the kernel reads (what kernels.huge_pages moves)."""
-        return [self.packed] + ([self.bias] if self.bias is not None else [])
+        return [t for name in self.KERNEL_TENSORS if (t := getattr(self, name)) is not None]
 
     def rebind(self, take) -> None:
-        """Point at copies of the packed tensors (kernels.huge_pages.move_packed_to_huge_pages)."""
-        self.packed = take(self.packed)
-        self._packed_p = self.packed.data_ptr()
-        if self.bias is not None:
-            self.bias = take(self.bias)
-            self._bias_p = self.bias.data_ptr()
+        """Point at copies of the packed tensors (kernels.huge_pages.move_to_huge_pages)."""
+        for name in self.KERNEL_TENSORS:
+            if (t := getattr(self, name)) is not None:
+                setattr(self, name, take(t))
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
@@ -126,7 +130,8 @@ class _QuantStrips(_Strips):
 
 
 class Int8Strips(_QuantStrips):
-    __slots__ = ("_scales_p", "scales")
+    __slots__ = ("scales",)
+    KERNEL_TENSORS = (*_Strips.KERNEL_TENSORS, "scales")
 
     def __init__(self, w_q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
                  lib: ctypes.CDLL) -> None:
@@ -139,24 +144,16 @@ class Int8Strips(_QuantStrips):
                              GROUP_Q8)
         super().__init__(n, k, packed, bias, lib)
         self.scales = _pad_rows(scales.detach().float().reshape(-1), strips * 16).contiguous()
-        self._scales_p = self.scales.data_ptr()
-
-    def owned_tensors(self) -> list[torch.Tensor]:
-        return super().owned_tensors() + [self.scales]
-
-    def rebind(self, take) -> None:
-        super().rebind(take)
-        self.scales = take(self.scales)
-        self._scales_p = self.scales.data_ptr()
 
     def _linear(self, x: torch.Tensor, rows: int, scratch: int, y: torch.Tensor) -> int:
-        return self._lib.sy_linear_q8(x.data_ptr(), x.stride(0), rows, self.k, scratch, self._packed_p,
-                                      self._scales_p, self._bias_p, y.data_ptr(), self.n, self.n,
+        return self._lib.sy_linear_q8(x.data_ptr(), x.stride(0), rows, self.k, scratch, self.packed.data_ptr(),
+                                      self.scales.data_ptr(), data_ptr(self.bias), y.data_ptr(), self.n, self.n,
                                       torch.get_num_threads())
 
 
 class Int4Strips(_QuantStrips):
-    __slots__ = ("_sz_p", "group_size", "sz")
+    __slots__ = ("group_size", "sz")
+    KERNEL_TENSORS = (*_Strips.KERNEL_TENSORS, "sz")
 
     def __init__(self, w_packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int,
                  bias: torch.Tensor | None, lib: ctypes.CDLL) -> None:
@@ -177,20 +174,11 @@ class Int4Strips(_QuantStrips):
         # bytes at g32 (fp32 scale and scale * zero took half)
         self.sz = torch.stack([per_strip(s), per_strip(z)], dim=2).to(torch.float16).contiguous()
         self.group_size = group_size
-        self._sz_p = self.sz.data_ptr()
-
-    def owned_tensors(self) -> list[torch.Tensor]:
-        return super().owned_tensors() + [self.sz]
-
-    def rebind(self, take) -> None:
-        super().rebind(take)
-        self.sz = take(self.sz)
-        self._sz_p = self.sz.data_ptr()
 
     def _linear(self, x: torch.Tensor, rows: int, scratch: int, y: torch.Tensor) -> int:
-        return self._lib.sy_linear_q4(x.data_ptr(), x.stride(0), rows, self.k, scratch, self._packed_p,
-                                      self._sz_p, self.group_size, self._bias_p, y.data_ptr(), self.n, self.n,
-                                      torch.get_num_threads())
+        return self._lib.sy_linear_q4(x.data_ptr(), x.stride(0), rows, self.k, scratch, self.packed.data_ptr(),
+                                      self.sz.data_ptr(), self.group_size, data_ptr(self.bias), y.data_ptr(), self.n,
+                                      self.n, torch.get_num_threads())
 
 
 class BF16Strips(_Strips):
@@ -209,8 +197,8 @@ class BF16Strips(_Strips):
         y = torch.empty(rows, self.n, dtype=_F32)
         if rows:
             xb = x2 if x2.dtype == _BF16 and x2.stride(1) == 1 else x2.to(_BF16).contiguous()
-            rc = self._lib.sy_gemm_bf16(xb.data_ptr(), xb.stride(0), rows, self.k, self._packed_p, self._bias_p,
-                                        y.data_ptr(), y.stride(0), self.n, torch.get_num_threads())
+            rc = self._lib.sy_gemm_bf16(xb.data_ptr(), xb.stride(0), rows, self.k, self.packed.data_ptr(),
+                                        data_ptr(self.bias), y.data_ptr(), y.stride(0), self.n, torch.get_num_threads())
             if rc:
                 raise RuntimeError(f"native bf16 GEMM failed (rc={rc})")
         return y if x.dtype == _F32 else y.to(x.dtype)

@@ -367,7 +367,7 @@ class PackedLinear:
         return [self.panels] if self.panels is not None else []  # (oneDNN's blocked tensor is opaque)
 
     def rebind(self, take) -> None:
-        """Point at a copy of the panels (kernels.huge_pages.move_packed_to_huge_pages)."""
+        """Point at a copy of the panels (kernels.huge_pages.move_to_huge_pages)."""
         if self.panels is not None:
             self.panels = take(self.panels)
             self._p = self.panels.data_ptr()

@@ -1,5 +1,5 @@
-"""CPU buffers that Linux may back with 2 MiB (transparent huge) pages, and moving the packed weights of the
-native GEMMs into them.
+"""CPU buffers that Linux may back with 2 MiB (transparent huge) pages, and moving tensors into them: the
+packed weights of the native GEMMs, a model's parameters (hosted/cpu_memory.py).
 
 Batch-1 decode streams every weight once per step; on 4 KiB pages the stream stalls at each page (TLB walk,
 prefetcher restart): the GEMV read 21 GB/s on 4 KiB pages vs 30 GB/s on 2 MiB pages here (2 threads).
@@ -15,7 +15,7 @@ import torch
 
 HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
-_CHUNK_BYTES = 256 << 20  # packed weights move a chunk at a time: the extra memory while moving
+_CHUNK_BYTES = 256 << 20  # tensors move a chunk at a time: the extra memory while moving
 _ALIGN = 64
 
 
@@ -36,18 +36,18 @@ def empty_on_huge_pages(numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 class Relocatable(Protocol):
-    """A packed weight (cpu_native.PackedLinear, cpu_lowp strips): the tensors it reads, and how to point
-    it at copies of them."""
+    """Something holding tensors (a packed weight: cpu_native.PackedLinear, cpu_lowp strips; a parameter): the
+    tensors, and how to point it at copies of them."""
 
     def owned_tensors(self) -> list[torch.Tensor]: ...
 
     def rebind(self, take: Callable[[torch.Tensor], torch.Tensor]) -> None: ...
 
 
-def move_packed_to_huge_pages(packed: Iterable[Relocatable]) -> int:
+def move_to_huge_pages(packed: Iterable[Relocatable]) -> int:
     """Copy the tensors of `packed`, in the order given (a model's execution order: one step then reads one
-    stream), into huge-page buffers of up to _CHUNK_BYTES and rebind each object to its copies. Returns the
-    bytes moved."""
+    stream), into huge-page buffers of up to _CHUNK_BYTES and rebind each object to its copies (a group under
+    two huge pages stays where it is). Returns the bytes moved."""
     moved = 0
     group: list[Relocatable] = []
     size = 0
@@ -74,7 +74,8 @@ def _move(group: list[Relocatable], size: int) -> int:
         nonlocal offset
         n = t.numel() * t.element_size()
         view = arena[offset:offset + n].view(t.dtype).view(t.shape)
-        view.copy_(t)
+        with torch.no_grad():
+            view.copy_(t)
         offset += _aligned(t)
         return view
 

@@ -201,16 +201,17 @@ def _dense_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, packed:
     return F.linear(x, weight, bias)
 
 
-def _no_prepack(*args: object, **kwargs: object) -> None:
-    return None
+def _unavailable(*args: object, **kwargs: object) -> None:
+    """A backend's packed form or native step where it has none."""
+    return
 
 
 REFERENCE = _kernels(
     "reference", store_kv=reference.store_kv, paged_decode_attention=reference.paged_decode_attention,
     paged_prefill_attention=reference.paged_prefill_attention, rms_norm=reference.rms_norm,
     apply_rotary=reference.apply_rotary, silu_and_mul=reference.silu_and_mul, linear=_dense_linear,
-    prepack_linear=_no_prepack, prepack_int8=_no_prepack, prepack_int4=_no_prepack,
-    int8_linear=reference.int8_linear, int4_linear=reference.int4_linear, build_decode_step=_no_prepack,
+    prepack_linear=_unavailable, prepack_int8=_unavailable, prepack_int4=_unavailable,
+    int8_linear=reference.int8_linear, int4_linear=reference.int4_linear, build_decode_step=_unavailable,
 )
 
 
@@ -218,9 +219,9 @@ def _triton_kernels(tk: ModuleType) -> Kernels:
     return _kernels(
         "triton", store_kv=tk.store_kv, paged_decode_attention=tk.paged_decode_attention,
         paged_prefill_attention=tk.paged_prefill_attention, rms_norm=tk.rms_norm, apply_rotary=tk.apply_rotary,
-        silu_and_mul=reference.silu_and_mul, linear=_dense_linear, prepack_linear=_no_prepack,
-        prepack_int8=_no_prepack, prepack_int4=_no_prepack, int8_linear=tk.int8_linear, int4_linear=tk.int4_linear,
-        build_decode_step=_no_prepack,
+        silu_and_mul=reference.silu_and_mul, linear=_dense_linear, prepack_linear=_unavailable,
+        prepack_int8=_unavailable, prepack_int4=_unavailable, int8_linear=tk.int8_linear, int4_linear=tk.int4_linear,
+        build_decode_step=_unavailable,
     )
 
 

@@ -22,7 +22,8 @@ from kernels.cpu_lowp import LowpStrips
 from kernels.cpu_native import PackedLinear
 
 log = logging.getLogger(__name__)
-# An int8 copy of a full-precision head, for its packed GEMM only (the layer itself is not quantized).
+# An int8 copy of a full-precision head, for its packed GEMM only (the layer itself is not quantized): not
+# ops.quantize_int8, which quantizes layers (tests watch that a saved quantized checkpoint is not quantized again).
 _int8_copy = reference.quantize_int8
 
 

@@ -13,7 +13,7 @@ from hosted.config import ModelConfig
 from hosted.layers.attention import AttentionMetadata, PagedAttention
 from hosted.layers.linear import Linear, TiedHead
 from kernels.cpu_decode import DecoderLayerWeights, DecodeStep
-from kernels.huge_pages import move_packed_to_huge_pages
+from kernels.huge_pages import move_to_huge_pages
 from kernels.ops import Kernels
 
 
@@ -126,7 +126,7 @@ class LlamaForCausalLM(nn.Module):
         added += self.tied_head.prepack(int8_copy=int8_head) if self.tied_head is not None else 0
         # One step then reads the packed copies as one stream, on 2 MiB pages (modules() is execution order).
         heads = [self.tied_head] if self.tied_head is not None else []
-        move_packed_to_huge_pages(m.packed for m in [*self.modules(), *heads]
+        move_to_huge_pages(m.packed for m in [*self.modules(), *heads]
                                   if isinstance(m, Linear | TiedHead) and m.packed is not None)
         return added
 

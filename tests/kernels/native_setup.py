@@ -1,10 +1,14 @@
-"""What the native CPU kernel tests share: whether a C compiler exists, and a fixture that turns the native path
-on (whatever the environment says) with a freshly resolved library before and after each test."""
+"""What the native CPU kernel tests share: whether a C compiler exists, a fixture that turns the native path
+on (whatever the environment says) with a freshly resolved library before and after each test, and running a
+block on a given number of torch (OpenMP) threads."""
 from __future__ import annotations
 
+import contextlib
 import shutil
+from collections.abc import Iterator
 
 import pytest
+import torch
 
 from kernels import cpu_native
 
@@ -19,3 +23,14 @@ def native_on(monkeypatch):
     cpu_native.reset()
     yield
     cpu_native.reset()
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's (and so the native kernels') thread count set to n inside the block, restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_lowp, cpu_native, ops, reference
-from tests.kernels.native_setup import native_on, needs_compiler  # noqa: F401 - native_on: an autouse fixture
+from tests.kernels.native_setup import native_on, needs_compiler, torch_threads  # noqa: F401 - native_on: autouse
 
 torch.set_num_threads(2)
 
@@ -96,12 +96,8 @@ def test_strided_rows_threads_and_empty_input():
     x = base[:, :128]  # row stride 256
     want = strips(x.contiguous())
     torch.testing.assert_close(strips(x), want, rtol=0, atol=0)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with torch_threads(1):
         one = strips(x)
-    finally:
-        torch.set_num_threads(threads)
     torch.testing.assert_close(one, want, rtol=0, atol=0)  # each output is one sum, whatever the split
     assert strips(torch.empty(0, 128)).shape == (0, 300)
     with pytest.raises(ValueError, match="128"):

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_native, ops, reference
-from tests.kernels.native_setup import native_on, needs_compiler  # noqa: F401 - native_on: an autouse fixture
+from tests.kernels.native_setup import native_on, needs_compiler, torch_threads  # noqa: F401 - native_on: autouse
 from tests.kernels.paged_cases import cu_seqlens, dense_decode, dense_prefill, make_paged_kv
 
 torch.set_num_threads(2)
@@ -100,17 +100,13 @@ def test_decode_rejects_block_ids_outside_the_pool():
 def test_decode_few_sequences_split_across_threads(cache_dtype, threads, num_kv_heads, group, head_dim, block_size):
     # Fewer sequences than threads: each (sequence, kv head) is cut into parts of its blocks, attended on
     # different threads and merged -- including parts with no blocks (short sequences) and a zero length.
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads)
+    with torch_threads(threads):
         for lens in ([1], [5], [block_size + 1], [300], [200, 3], [0, 77]):
             kv = make_paged_kv(lens, num_kv_heads, head_dim, block_size, cache_dtype, seed=len(lens) + lens[0])
             q = 3 * torch.randn(len(lens), num_kv_heads * group, head_dim)  # sharp: most parts weigh ~0
             out = cpu_native.paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens, 0.5)
             torch.testing.assert_close(out.double(), dense_decode(q, kv, 0.5), atol=ATOL[cache_dtype] * 2,
                                        rtol=1e-5)
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
@@ -123,14 +119,10 @@ def test_prefill_matches_dense(cache_dtype, num_kv_heads, group, head_dim, threa
     lens, q_lens = [c for c, _ in cases], [n for _, n in cases]
     kv = make_paged_kv(lens, num_kv_heads, head_dim, 16, cache_dtype, seed=head_dim + group)
     q = 2 * torch.randn(sum(q_lens), num_kv_heads * group, head_dim)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads)
+    with torch_threads(threads):
         args = (q, kv.k_cache, kv.v_cache, kv.block_tables, cu_seqlens(q_lens), kv.context_lens, 0.3)
         out = cpu_native.paged_prefill_attention(*args)
         via_ops = ops.select("cpu").paged_prefill_attention(*args)  # the engine's CPU backend takes it
-    finally:
-        torch.set_num_threads(before)
     assert out is not None and out.shape == q.shape and torch.equal(via_ops, out)
     torch.testing.assert_close(out.double(), dense_prefill(q, q_lens, kv, 0.3), atol=ATOL[cache_dtype] * 2,
                                rtol=1e-5)
@@ -155,14 +147,10 @@ def test_decode_same_result_on_one_and_two_threads():
     kv = make_paged_kv([50, 3, 120, 17], 2, 32, 16, torch.float32, seed=2)
     q = torch.randn(4, 4, 32)
     args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens, 0.2)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with torch_threads(1):
         one = cpu_native.paged_decode_attention(*args)
-        torch.set_num_threads(2)
+    with torch_threads(2):
         two = cpu_native.paged_decode_attention(*args)
-    finally:
-        torch.set_num_threads(before)
     assert torch.equal(one, two)
 
 
@@ -264,12 +252,8 @@ def test_panel_gemm_strided_inputs_and_threads():
     want = F.linear(x, w)
     torch.testing.assert_close(packed(x), want, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(packed(x.t().contiguous().t()), want, atol=1e-4, rtol=1e-5)  # column-major: copied
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with torch_threads(1):
         one = packed(x)
-    finally:
-        torch.set_num_threads(threads)
     assert torch.equal(one, packed(x))  # the thread split changes which panels a thread does, not the sums
     weight_t = torch.randn(96, 200).t()  # a column-major weight cannot be packed
     assert cpu_native.pack_linear(weight_t) is None
