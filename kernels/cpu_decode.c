@@ -10,15 +10,22 @@
  * their input rounded to bf16 (as the per-op path's bf16 model does), a bf16 cache gets its K/V rounded. */
 #include <stdint.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
-/* The kernels of the other two sources (one library). */
-int sy_decode_attention(const float *q, int64_t q_sb, int64_t q_sh, float scale, const void *k_cache,
-                        const void *v_cache, int is_bf16, int64_t sb, int64_t so, int64_t sh, int64_t num_blocks,
-                        int block_size, const int32_t *tables, int64_t table_stride, int64_t table_width,
-                        const int32_t *lens, int B, int Hq, int Hkv, int D, float *out, float *scratch,
-                        int64_t scratch_stride, int threads);
-void sy_gemm_panels_f32(const float *x, int64_t xs, const float *panels, const float *bias, float *y, int64_t ys,
-                        int M, int64_t N, int64_t K, int threads);
+/* The kernels of the other two sources (one library): the per-thread parts of the projections and attention
+ * (each thread of the step's region runs its share; the step puts the barriers between them) and the
+ * single-thread row kernels. */
+void sy_team_decode_attention(const float *q, int64_t q_sb, int64_t q_sh, float scale, const void *k_cache,
+                              const void *v_cache, int is_bf16, int64_t sb, int64_t so, int64_t sh,
+                              int64_t num_blocks, int block_size, const int32_t *tables, int64_t table_stride,
+                              const int32_t *lens, int B, int Hq, int Hkv, int D, float *out, float *scratch,
+                              int64_t scratch_stride, float *parts, int threads);
+int64_t sy_decode_attention_parts(int B, int Hq, int Hkv, int D, int threads);
+int sy_decode_attention_shape_ok(int Hq, int Hkv, int D, int block_size, int is_bf16);
+void sy_part_gemm_panels_f32(const float *x, int64_t xs, const float *panels, const float *bias, float *y, int64_t ys,
+                             int M, int64_t N, int64_t K, int t, int nt);
 int sy_rotary_f32(const float *q, int64_t q_st, int64_t q_sh, int Hq, const float *k, int64_t k_st, int64_t k_sh,
                   int Hkv, int T, int D, const int64_t *pos, const float *cos_sin, int64_t max_position,
                   float *q_out, float *k_out);
@@ -27,13 +34,15 @@ int sy_store_kv_f32(const float *key, const float *value, int64_t kst, int64_t k
                     int block_size, const int64_t *slots, int T, int H, int D);
 void sy_rms_norm_f32(const float *x, int64_t x_stride, const float *res, int64_t res_stride, const float *w,
                      float *out, float *new_res, int T, int H, float eps);
-void sy_silu_mul_f32(const float *gu, int64_t gs, float *out, int T, int inter, int threads);
-int sy_linear_q8(const float *x, int64_t x_stride, int M, int K, void *scratch, const uint8_t *w,
-                 const float *scales, const float *bias, float *y, int64_t ys, int64_t N, int threads);
-int sy_linear_q4(const float *x, int64_t x_stride, int M, int K, void *scratch, const uint8_t *w, const uint16_t *sz,
-                 int gs, const float *bias, float *y, int64_t ys, int64_t N, int threads);
-int sy_gemm_bf16(const uint16_t *x, int64_t xs, int M, int K, const uint16_t *w, const float *bias, float *y,
-                 int64_t ys, int64_t N, int threads);
+void sy_silu_mul_rows_f32(const float *gu, int64_t gs, float *out, int inter, int r0, int r1);
+int sy_lowp_features(void);
+int sy_quantize_rows_q8(const float *x, int64_t x_stride, int M, int K, void *scratch, int r0, int r1);
+void sy_part_linear_q8(int M, int K, const void *scratch, const uint8_t *w, const float *scales, const float *bias,
+                       float *y, int64_t ys, int64_t N, int t, int nt);
+void sy_part_linear_q4(int M, int K, const void *scratch, const uint8_t *w, const uint16_t *sz, int gs,
+                       const float *bias, float *y, int64_t ys, int64_t N, int t, int nt);
+void sy_part_gemm_bf16(const uint16_t *x, int64_t xs, int M, int K, const uint16_t *w, const float *bias, float *y,
+                       int64_t ys, int64_t N, int t, int nt);
 
 /* Layouts shared with cpu_decode.py (ctypes Structures of the same fields, in the same order). */
 enum { PROJ_F32_PANELS = 1, PROJ_INT8 = 2, PROJ_INT4 = 3, PROJ_BF16 = 4 };
@@ -77,25 +86,45 @@ static void to_bf16(const float *x, int64_t n, uint16_t *out) {
     for (int64_t i = 0; i < n; i++) out[i] = bf16_round(x[i]);
 }
 
-/* y [M, p->n] (contiguous) = x [M, p->k] (contiguous) @ W^T (+ bias). `lowp` is scratch for the rounded
- * activations: M * K + 8 * M * (K / 32) + 64 bytes (int8/int4) or 2 * M * K (bf16). */
-static int project(const sy_proj *p, const float *x, int M, float *y, void *lowp, int threads) {
+/* Whether this build runs projection p (its kind's instructions, its shape). */
+static int projection_ok(const sy_proj *p, int features) {
+    switch (p->kind) {
+    case PROJ_F32_PANELS: return 1;
+    case PROJ_INT8: return (features & 1) && p->k % 32 == 0;
+    case PROJ_INT4: return (features & 1) && p->group_size > 0 && p->group_size % 32 == 0 && p->k % p->group_size == 0;
+    case PROJ_BF16: return (features & 2) && p->k % 2 == 0;
+    default: return 0;
+    }
+}
+
+/* Rows [r0, r1) of x [M, p->k] (contiguous) rounded into `lowp` as projection p reads them: int8 per block
+ * (int8/int4 weights) or bf16; fp32 panels read x itself. `lowp` holds M * K + 8 * M * (K / 32) + 64 bytes
+ * (int8/int4) or 2 * M * K (bf16). */
+static void round_rows(const sy_proj *p, const float *x, int M, int r0, int r1, void *lowp) {
+    const int K = (int)p->k;
+    if (p->kind == PROJ_INT8 || p->kind == PROJ_INT4)
+        (void)sy_quantize_rows_q8(x, K, M, K, lowp, r0, r1);
+    else if (p->kind == PROJ_BF16)
+        to_bf16(x + (int64_t)r0 * K, (int64_t)(r1 - r0) * K, (uint16_t *)lowp + (int64_t)r0 * K);
+}
+
+/* Thread t of nt's share of y [M, p->n] (contiguous) = x [M, p->k] @ W^T (+ bias), x rounded by round_rows. */
+static void project_part(const sy_proj *p, const float *x, int M, float *y, const void *lowp, int t, int nt) {
     const int K = (int)p->k;
     switch (p->kind) {
     case PROJ_F32_PANELS:
-        sy_gemm_panels_f32(x, K, (const float *)p->w, p->bias, y, p->n, M, p->n, K, threads);
-        return 0;
+        sy_part_gemm_panels_f32(x, K, (const float *)p->w, p->bias, y, p->n, M, p->n, K, t, nt);
+        break;
     case PROJ_INT8:
-        return sy_linear_q8(x, K, M, K, lowp, (const uint8_t *)p->w, (const float *)p->aux, p->bias, y, p->n, p->n,
-                            threads);
+        sy_part_linear_q8(M, K, lowp, (const uint8_t *)p->w, (const float *)p->aux, p->bias, y, p->n, p->n, t, nt);
+        break;
     case PROJ_INT4:
-        return sy_linear_q4(x, K, M, K, lowp, (const uint8_t *)p->w, (const uint16_t *)p->aux, p->group_size,
-                            p->bias, y, p->n, p->n, threads);
+        sy_part_linear_q4(M, K, lowp, (const uint8_t *)p->w, (const uint16_t *)p->aux, p->group_size, p->bias, y,
+                          p->n, p->n, t, nt);
+        break;
     case PROJ_BF16:
-        to_bf16(x, (int64_t)M * K, (uint16_t *)lowp);
-        return sy_gemm_bf16((const uint16_t *)lowp, K, M, K, (const uint16_t *)p->w, p->bias, y, p->n, p->n, threads);
-    default:
-        return 2;
+        sy_part_gemm_bf16((const uint16_t *)lowp, K, M, K, (const uint16_t *)p->w, p->bias, y, p->n, p->n, t, nt);
+        break;
     }
 }
 
@@ -122,7 +151,7 @@ static inline void *next_buffer(char *at, int64_t *off, int64_t bytes) {
 
 /* The step's buffers, carved out of one workspace (base NULL: only the size is computed). */
 typedef struct {
-    float *x, *qkv, *q_rot, *k_rot, *attn, *gate_up, *act, *scores;
+    float *x, *qkv, *q_rot, *k_rot, *attn, *gate_up, *act, *scores, *parts;
     void *lowp; /* rounded activations of the widest projection input (int8 + block scales, or bf16) */
     int64_t bytes;
 } sy_buffers;
@@ -146,65 +175,142 @@ static sy_buffers carve(const sy_model *m, int B, int max_len, int threads, char
     b.act = CARVE(float, B * I * 4);
     b.lowp = CARVE(char, q8 > b16 ? q8 : b16);
     b.scores = CARVE(float, (int64_t)threads * m->num_heads * ((max_len + 15) / 16 * 16) * 4);
+    b.parts = CARVE(float, sy_decode_attention_parts(B, m->num_heads, m->num_kv_heads, m->head_dim, threads) * 4);
 #undef CARVE
     b.bytes = off + 64; /* + the base's alignment */
     return b;
 }
 
+/* Everything the step could fail on, checked before its region starts (so nothing is written when it fails):
+ * positions, slots, each sequence's block ids and table width, the shapes and kinds the kernels take. */
+static int64_t check_step(const sy_model *m, int B, const int64_t *positions, const int64_t *slots,
+                          const int32_t *tables, int64_t table_width, const int32_t *lens, int *max_len) {
+    const int64_t num_slots = m->num_blocks * m->block_size;
+    *max_len = 1;
+    for (int b = 0; b < B; b++) {
+        if (positions[b] < 0 || positions[b] >= m->max_position) return ERR_POSITION;
+        if (slots[b] >= num_slots) return ERR_SLOT;
+        if (lens[b] > *max_len) *max_len = lens[b];
+    }
+    for (int b = 0; b < B; b++) {
+        const int64_t len = lens[b] > 0 ? lens[b] : 0, nblk = (len + m->block_size - 1) / m->block_size;
+        if (nblk > table_width) return ERR_TABLE;
+        for (int64_t i = 0; i < nblk; i++) {
+            const int32_t blk = tables[b * table_width + i];
+            if (blk < 0 || blk >= m->num_blocks) return ERR_BLOCK;
+        }
+    }
+    if (!sy_decode_attention_shape_ok(m->num_heads, m->num_kv_heads, m->head_dim, m->block_size, m->kv_bf16))
+        return ERR_SHAPE;
+    const int features = sy_lowp_features();
+    for (int l = 0; l < m->num_layers; l++) {
+        const sy_layer *L = &m->layers[l];
+        if (!projection_ok(&L->qkv, features) || !projection_ok(&L->o, features) ||
+            !projection_ok(&L->gate_up, features) || !projection_ok(&L->down, features))
+            return ERR_KERNEL;
+    }
+    return 0;
+}
+
+/* This thread's rows [*r0, *r1) of B (the row-wise ops: norms, rotary, KV writes, rounding). */
+static inline void row_share(int B, int t, int nt, int *r0, int *r1) {
+    *r0 = (int)((int64_t)B * t / nt);
+    *r1 = (int)((int64_t)B * (t + 1) / nt);
+}
+
+#ifdef _OPENMP
+#define BARRIER _Pragma("omp barrier")
+#else
+#define BARRIER
+#endif
+
 /* hidden [B, H] fp32 (the embedded tokens) -> hidden, residual [B, H]: the last layer's output and the residual
  * stream before it, as LlamaForCausalLM's layer loop leaves them (the final norm and the head stay in Python).
  * positions, slots int64 [B]; tables int32 [B, table_width]; lens int32 [B] (context including the new token).
  * Returns 0; a positive number of workspace bytes when `workspace_size` is smaller (nothing done); or a
- * negative ERR_*. Slots and positions are checked before the first KV write, block ids before any read. */
+ * negative ERR_* (nothing done: check_step runs first).
+ * The whole step is one parallel region: each op's share on every thread, a barrier where the next op reads
+ * what another thread wrote. A step used to open ~10 regions per layer (300 at 30 layers); each fork and
+ * join costs microseconds and the weight stream ramps up again behind it. */
 int64_t sy_decode_layers(const sy_model *m, const float *hidden_in, int B, const int64_t *positions,
                          const int64_t *slots, const int32_t *tables, int64_t table_width, const int32_t *lens,
                          float *hidden, float *residual, void *workspace, int64_t workspace_size, int threads) {
     if (B <= 0) return 0;
-    const int H = m->hidden, Hq = m->num_heads, Hkv = m->num_kv_heads, D = m->head_dim, I = m->inter;
-    const int64_t qd = (int64_t)Hq * D, kvd = (int64_t)Hkv * D, nqkv = qd + 2 * kvd;
-    const int64_t num_slots = m->num_blocks * m->block_size;
-    int max_len = 1;
-    for (int b = 0; b < B; b++) {
-        if (positions[b] < 0 || positions[b] >= m->max_position) return ERR_POSITION;
-        if (slots[b] >= num_slots) return ERR_SLOT;
-        if (lens[b] > max_len) max_len = lens[b];
-    }
+    int max_len;
+    const int64_t bad = check_step(m, B, positions, slots, tables, table_width, lens, &max_len);
+    if (bad) return bad;
     const int64_t need = carve(m, B, max_len, threads, NULL).bytes;
     if (workspace_size < need) return need;
     const sy_buffers w = carve(m, B, max_len, threads, (char *)workspace);
-    float *x = w.x, *qkv = w.qkv, *q_rot = w.q_rot, *k_rot = w.k_rot, *attn = w.attn, *gate_up = w.gate_up;
-    float *act = w.act, *scores = w.scores;
-    void *lowp = w.lowp;
+    const int H = m->hidden, Hq = m->num_heads, Hkv = m->num_kv_heads, D = m->head_dim, I = m->inter;
+    const int64_t qd = (int64_t)Hq * D, kvd = (int64_t)Hkv * D, nqkv = qd + 2 * kvd;
+    const int64_t num_slots = m->num_blocks * m->block_size;
     const int64_t score_stride = (int64_t)Hq * ((max_len + 15) / 16 * 16);
 
-    for (int l = 0; l < m->num_layers; l++) {
-        const sy_layer *L = &m->layers[l];
-        /* residual += hidden; x = norm(residual) (layer 0: residual = the embedded tokens) */
-        sy_rms_norm_f32(l ? hidden : hidden_in, H, l ? residual : NULL, H, L->input_norm, x, l ? residual : NULL, B,
-                        H, m->eps);
-        if (!l) memcpy(residual, hidden_in, sizeof(float) * B * H);
-        if (project(&L->qkv, x, B, qkv, lowp, threads)) return ERR_KERNEL;
-        if (sy_rotary_f32(qkv, nqkv, D, Hq, qkv + qd, nqkv, D, Hkv, B, D, positions, m->cos_sin, m->max_position,
-                          q_rot, k_rot))
-            return ERR_POSITION;
-        if (m->kv_bf16)
-            store_kv_bf16(k_rot, qkv + qd + kvd, kvd, nqkv, (uint16_t *)L->k_cache, (uint16_t *)L->v_cache,
-                          m->cache_sb, m->cache_so, m->cache_sh, m->block_size, slots, B, Hkv, D);
-        else if (sy_store_kv_f32(k_rot, qkv + qd + kvd, kvd, D, nqkv, D, (float *)L->k_cache, (float *)L->v_cache,
-                                 m->cache_sb, m->cache_so, m->cache_sh, num_slots, m->block_size, slots, B, Hkv, D))
-            return ERR_SLOT;
-        const int rc = sy_decode_attention(q_rot, qd, D, m->scale, L->k_cache, L->v_cache, m->kv_bf16, m->cache_sb,
-                                           m->cache_so, m->cache_sh, m->num_blocks, m->block_size, tables,
-                                           table_width, table_width, lens, B, Hq, Hkv, D, attn, scores, score_stride,
-                                           threads);
-        if (rc == 1) return ERR_BLOCK;
-        if (rc == 3) return ERR_TABLE;
-        if (rc) return ERR_SHAPE;
-        if (project(&L->o, attn, B, hidden, lowp, threads)) return ERR_KERNEL;
-        sy_rms_norm_f32(hidden, H, residual, H, L->post_norm, x, residual, B, H, m->eps);
-        if (project(&L->gate_up, x, B, gate_up, lowp, threads)) return ERR_KERNEL;
-        sy_silu_mul_f32(gate_up, 2 * (int64_t)I, act, B, I, threads);
-        if (project(&L->down, act, B, hidden, lowp, threads)) return ERR_KERNEL;
+#pragma omp parallel num_threads(threads)
+    {
+#ifdef _OPENMP
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+        const int t = 0, nt = 1;
+#endif
+        int r0, r1;
+        row_share(B, t, nt, &r0, &r1);
+        const int rows = r1 - r0;
+        for (int l = 0; l < m->num_layers; l++) {
+            const sy_layer *L = &m->layers[l];
+            /* residual += hidden; x = norm(residual) (layer 0: residual = the embedded tokens) */
+            if (rows) {
+                if (l)
+                    sy_rms_norm_f32(hidden + (int64_t)r0 * H, H, residual + (int64_t)r0 * H, H, L->input_norm,
+                                    w.x + (int64_t)r0 * H, residual + (int64_t)r0 * H, rows, H, m->eps);
+                else {
+                    sy_rms_norm_f32(hidden_in + (int64_t)r0 * H, H, NULL, H, L->input_norm, w.x + (int64_t)r0 * H,
+                                    NULL, rows, H, m->eps);
+                    memcpy(residual + (int64_t)r0 * H, hidden_in + (int64_t)r0 * H, sizeof(float) * rows * H);
+                }
+                round_rows(&L->qkv, w.x, B, r0, r1, w.lowp);
+            }
+            BARRIER;
+            project_part(&L->qkv, w.x, B, w.qkv, w.lowp, t, nt);
+            BARRIER;
+            if (rows) {
+                const float *q = w.qkv + r0 * nqkv;
+                (void)sy_rotary_f32(q, nqkv, D, Hq, q + qd, nqkv, D, Hkv, rows, D, positions + r0, m->cos_sin,
+                                    m->max_position, w.q_rot + r0 * qd, w.k_rot + r0 * kvd);
+                if (m->kv_bf16)
+                    store_kv_bf16(w.k_rot + r0 * kvd, q + qd + kvd, kvd, nqkv, (uint16_t *)L->k_cache,
+                                  (uint16_t *)L->v_cache, m->cache_sb, m->cache_so, m->cache_sh, m->block_size,
+                                  slots + r0, rows, Hkv, D);
+                else
+                    (void)sy_store_kv_f32(w.k_rot + r0 * kvd, q + qd + kvd, kvd, D, nqkv, D, (float *)L->k_cache,
+                                          (float *)L->v_cache, m->cache_sb, m->cache_so, m->cache_sh, num_slots,
+                                          m->block_size, slots + r0, rows, Hkv, D);
+            }
+            BARRIER;
+            sy_team_decode_attention(w.q_rot, qd, D, m->scale, L->k_cache, L->v_cache, m->kv_bf16, m->cache_sb,
+                                     m->cache_so, m->cache_sh, m->num_blocks, m->block_size, tables, table_width,
+                                     lens, B, Hq, Hkv, D, w.attn, w.scores, score_stride, w.parts, threads);
+            if (rows) round_rows(&L->o, w.attn, B, r0, r1, w.lowp);
+            BARRIER;
+            project_part(&L->o, w.attn, B, hidden, w.lowp, t, nt);
+            BARRIER;
+            if (rows) {
+                sy_rms_norm_f32(hidden + (int64_t)r0 * H, H, residual + (int64_t)r0 * H, H, L->post_norm,
+                                w.x + (int64_t)r0 * H, residual + (int64_t)r0 * H, rows, H, m->eps);
+                round_rows(&L->gate_up, w.x, B, r0, r1, w.lowp);
+            }
+            BARRIER;
+            project_part(&L->gate_up, w.x, B, w.gate_up, w.lowp, t, nt);
+            BARRIER;
+            if (rows) {
+                sy_silu_mul_rows_f32(w.gate_up, 2 * (int64_t)I, w.act, I, r0, r1);
+                round_rows(&L->down, w.act, B, r0, r1, w.lowp);
+            }
+            BARRIER;
+            project_part(&L->down, w.act, B, hidden, w.lowp, t, nt);
+            BARRIER;
+        }
     }
     return 0;
 }

@@ -292,6 +292,109 @@ static int decode_seq(const float *q, int64_t q_sh, float scale, const void *kc,
 #undef NEXT_ROWS
 }
 
+/* How decode attention is cut into work units: whole sequences; with fewer sequences than a few per thread,
+ * (sequence, kv head) pairs, and with fewer of those than two per thread, each pair's blocks in `chunks` parts
+ * merged afterwards -- at batch 1 one sequence on one thread left the other cores idle through every layer's
+ * attention. */
+typedef struct {
+    int split, per_seq, G, pairs, chunks, heads;
+    int64_t part_floats; /* per unit when chunks > 1: [heads][D] normalised partial outputs, then [heads][2] stats */
+} attn_plan;
+
+static attn_plan plan_attention(int B, int Hq, int Hkv, int D, int threads) {
+    attn_plan pl;
+    pl.split = B < 4 * threads && Hkv > 1;
+    pl.per_seq = pl.split ? Hkv : 1;
+    pl.G = Hq / Hkv;
+    pl.pairs = B * pl.per_seq;
+    pl.chunks = pl.pairs < 2 * threads ? (2 * threads + pl.pairs - 1) / pl.pairs : 1;
+    pl.chunks = pl.chunks > MAX_CHUNKS ? MAX_CHUNKS : pl.chunks;
+    pl.heads = pl.split ? pl.G : Hq;
+    pl.part_floats = (int64_t)pl.heads * (D + 2);
+    return pl;
+}
+
+/* Floats of the `parts` buffer a decode attention over B sequences needs (0: none). */
+int64_t sy_decode_attention_parts(int B, int Hq, int Hkv, int D, int threads) {
+    const attn_plan pl = plan_attention(B, Hq, Hkv, D, threads);
+    return pl.chunks > 1 ? pl.part_floats * pl.pairs * pl.chunks : 0;
+}
+
+/* The arguments of one decode attention (see sy_decode_attention). */
+typedef struct {
+    const float *q;
+    int64_t q_sb, q_sh;
+    float scale;
+    const void *k_cache, *v_cache;
+    int is_bf16;
+    int64_t sb, so, sh, num_blocks;
+    int block_size;
+    const int32_t *tables;
+    int64_t table_stride;
+    const int32_t *lens;
+    int Hq, Hkv, D;
+    float *out, *scratch, *parts;
+    int64_t scratch_stride;
+} attn_args;
+
+/* One work unit: its pair's blocks [first, last) into out (chunks == 1) or its part. Returns decode_seq's code. */
+static int attention_unit(const attn_plan *pl, const attn_args *a, int unit) {
+    const int pair = unit / pl->chunks, c = unit % pl->chunks, b = pair / pl->per_seq, h = pair % pl->per_seq;
+    const int G = pl->G, D = a->D, heads = pl->heads, block_size = a->block_size;
+    const float *qb = a->q + (int64_t)b * a->q_sb + (int64_t)h * G * a->q_sh;
+    const int len = a->lens[b] > 0 ? a->lens[b] : 0, nblk = (len + block_size - 1) / block_size;
+    const int first = (int)((int64_t)nblk * c / pl->chunks), last = (int)((int64_t)nblk * (c + 1) / pl->chunks);
+    const int part_len = last * block_size < len ? (last - first) * block_size : len - first * block_size;
+    float *ob = a->parts ? a->parts + unit * pl->part_floats : a->out + (int64_t)b * a->Hq * D + (int64_t)h * G * D;
+    float *stats = a->parts ? ob + (int64_t)heads * D : NULL;
+    if (part_len <= 0) {
+        memset(ob, 0, sizeof(float) * heads * D);
+        for (int j = 0; stats && j < heads; j++) stats[2 * j] = -INFINITY, stats[2 * j + 1] = 0.0f;
+        return 0;
+    }
+    float *scores = thread_scratch(a->scratch, a->scratch_stride);
+    const int64_t elem = a->is_bf16 ? 2 : 4;
+    /* one kv head: the caches from that head on, as if they held only it */
+    const char *kc = (const char *)a->k_cache + h * a->sh * elem, *vc = (const char *)a->v_cache + h * a->sh * elem;
+    return decode_seq(qb, a->q_sh, a->scale, kc, vc, a->is_bf16, a->sb, a->so, a->sh,
+                      a->tables + (int64_t)b * a->table_stride + first, a->num_blocks, block_size, part_len, heads,
+                      pl->split ? 1 : a->Hkv, D, scores, ob, stats);
+}
+
+/* A pair's attention over the whole sequence from its parts: part c weighted by exp(max_c - max) * sum_c. */
+static void merge_pair(const attn_plan *pl, const attn_args *a, int pair) {
+    const int b = pair / pl->per_seq, h = pair % pl->per_seq, chunks = pl->chunks, D = a->D;
+    const float *parts = a->parts;
+    for (int j = 0; j < pl->heads; j++) {
+        float mx = -INFINITY, total = 0.0f, w[MAX_CHUNKS];
+        for (int c = 0; c < chunks; c++) {
+            const float m = parts[(pair * chunks + c) * pl->part_floats + (int64_t)pl->heads * D + 2 * j];
+            mx = m > mx ? m : mx;
+        }
+        for (int c = 0; c < chunks; c++) {
+            const float *st = parts + (pair * chunks + c) * pl->part_floats + (int64_t)pl->heads * D + 2 * j;
+            w[c] = st[1] > 0.0f ? expf(st[0] - mx) * st[1] : 0.0f;
+            total += w[c];
+        }
+        float *o = a->out + (int64_t)b * a->Hq * D + ((int64_t)h * pl->G + j) * D;
+        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+        for (int d = 0; d < D; d++) {
+            float v = 0.0f;
+            for (int c = 0; c < chunks; c++) v += w[c] * parts[(pair * chunks + c) * pl->part_floats + j * D + d];
+            o[d] = v * inv;
+        }
+    }
+}
+
+static int attention_shape_ok(int Hq, int Hkv, int D, int block_size, int is_bf16) {
+    return !(D % 16 || D < 16 || D > MAX_HEAD_DIM || Hq > MAX_Q_HEADS || Hkv <= 0 || Hq % Hkv ||
+             (is_bf16 && (int64_t)block_size * Hkv * D > MAX_BLOCK_ROW));
+}
+
+int sy_decode_attention_shape_ok(int Hq, int Hkv, int D, int block_size, int is_bf16) {
+    return attention_shape_ok(Hq, Hkv, D, block_size, is_bf16);
+}
+
 /* Paged decode attention. q: fp32, element (b, j, d) at b*q_sb + j*q_sh + d; out: [B, Hq, D] fp32 contiguous;
  * softmax(scale * q.k).
  * Caches (fp32, or bf16 when is_bf16): element (block, offset, head, d) at block*sb + offset*so + head*sh + d.
@@ -306,74 +409,47 @@ int sy_decode_attention(const float *q, int64_t q_sb, int64_t q_sh, float scale,
                         int64_t table_stride, int64_t table_width, const int32_t *lens, int B, int Hq, int Hkv,
                         int D, float *out,
                         float *scratch, int64_t scratch_stride, int threads) {
-    if (D % 16 || D < 16 || D > MAX_HEAD_DIM || Hq > MAX_Q_HEADS || Hkv <= 0 || Hq % Hkv ||
-        (is_bf16 && (int64_t)block_size * Hkv * D > MAX_BLOCK_ROW))
-        return 2;
+    if (!attention_shape_ok(Hq, Hkv, D, block_size, is_bf16)) return 2;
     for (int b = 0; b < B; b++) {
         const int64_t len = lens[b] > 0 ? lens[b] : 0;
         if ((len + block_size - 1) / block_size > table_width || (len + 15) / 16 * 16 * Hq > scratch_stride)
             return 3;
     }
-    /* Work units: whole sequences; with fewer sequences than a few per thread, (sequence, kv head) pairs, and
-     * with fewer of those than two per thread, each pair's blocks in `chunks` parts merged afterwards -- at
-     * batch 1 one sequence on one thread left the other cores idle through every layer's attention. */
-    const int split = B < 4 * threads && Hkv > 1, per_seq = split ? Hkv : 1, G = Hq / Hkv;
-    const int pairs = B * per_seq;
-    int chunks = pairs < 2 * threads ? (2 * threads + pairs - 1) / pairs : 1;
-    chunks = chunks > MAX_CHUNKS ? MAX_CHUNKS : chunks;
-    const int heads = split ? G : Hq;
-    float *parts = NULL; /* per unit: [heads][D] normalised partial outputs, then [heads][2] stats */
-    const int64_t part_floats = (int64_t)heads * (D + 2);
-    if (chunks > 1 && !(parts = malloc(sizeof(float) * part_floats * pairs * chunks))) chunks = 1;
-    const int64_t elem = is_bf16 ? 2 : 4;
+    attn_plan pl = plan_attention(B, Hq, Hkv, D, threads);
+    attn_args a = {q, q_sb, q_sh, scale, k_cache, v_cache, is_bf16, sb, so, sh, num_blocks, block_size, tables,
+                   table_stride, lens, Hq, Hkv, D, out, scratch, NULL, scratch_stride};
+    if (pl.chunks > 1 && !(a.parts = malloc(sizeof(float) * pl.part_floats * pl.pairs * pl.chunks))) pl.chunks = 1;
+    const int units = pl.pairs * pl.chunks;
     int bad = 0;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(| : bad) if (pairs * chunks > 1)
-    for (int unit = 0; unit < pairs * chunks; unit++) {
-        const int pair = unit / chunks, c = unit % chunks, b = pair / per_seq, h = pair % per_seq;
-        const float *qb = q + (int64_t)b * q_sb + (int64_t)h * G * q_sh;
-        const int len = lens[b] > 0 ? lens[b] : 0, nblk = (len + block_size - 1) / block_size;
-        /* this unit's blocks: [first, last) of the sequence's nblk */
-        const int first = (int)((int64_t)nblk * c / chunks), last = (int)((int64_t)nblk * (c + 1) / chunks);
-        const int part_len = last * block_size < len ? (last - first) * block_size : len - first * block_size;
-        float *ob = parts ? parts + unit * part_floats : out + (int64_t)b * Hq * D + (int64_t)h * G * D;
-        float *stats = parts ? ob + (int64_t)heads * D : NULL;
-        if (part_len <= 0) {
-            memset(ob, 0, sizeof(float) * heads * D);
-            for (int j = 0; stats && j < heads; j++) stats[2 * j] = -INFINITY, stats[2 * j + 1] = 0.0f;
-            continue;
-        }
-        float *scores = thread_scratch(scratch, scratch_stride);
-        /* one kv head: the caches from that head on, as if they held only it */
-        const char *kc = (const char *)k_cache + h * sh * elem, *vc = (const char *)v_cache + h * sh * elem;
-        bad |= decode_seq(qb, q_sh, scale, kc, vc, is_bf16, sb, so, sh, tables + (int64_t)b * table_stride + first,
-                          num_blocks, block_size, part_len, heads, split ? 1 : Hkv, D, scores, ob, stats);
-    }
-    if (parts) { /* softmax over the whole sequence from its parts: weight part c by exp(max_c - max) * sum_c */
-        for (int pair = 0; pair < pairs; pair++) {
-            const int b = pair / per_seq, h = pair % per_seq;
-            for (int j = 0; j < heads; j++) {
-                float mx = -INFINITY, total = 0.0f, w[MAX_CHUNKS];
-                for (int c = 0; c < chunks; c++) {
-                    const float m = parts[(pair * chunks + c) * part_floats + (int64_t)heads * D + 2 * j];
-                    mx = m > mx ? m : mx;
-                }
-                for (int c = 0; c < chunks; c++) {
-                    const float *st = parts + (pair * chunks + c) * part_floats + (int64_t)heads * D + 2 * j;
-                    w[c] = st[1] > 0.0f ? expf(st[0] - mx) * st[1] : 0.0f;
-                    total += w[c];
-                }
-                float *o = out + (int64_t)b * Hq * D + ((int64_t)h * G + j) * D;
-                const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-                for (int d = 0; d < D; d++) {
-                    float v = 0.0f;
-                    for (int c = 0; c < chunks; c++) v += w[c] * parts[(pair * chunks + c) * part_floats + j * D + d];
-                    o[d] = v * inv;
-                }
-            }
-        }
-        free(parts);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(| : bad) if (units > 1)
+    for (int unit = 0; unit < units; unit++) bad |= attention_unit(&pl, &a, unit);
+    if (a.parts) {
+        for (int pair = 0; pair < pl.pairs; pair++) merge_pair(&pl, &a, pair);
+        free(a.parts);
     }
     return bad;
+}
+
+/* sy_decode_attention called by every thread of a parallel region (the native decode step), the units shared
+ * out among them, with `parts` of sy_decode_attention_parts(B, Hq, Hkv, D, threads) floats from the caller.
+ * The shape, lengths and block ids must have been checked (sy_decode_layers checks them before its region);
+ * returns with every thread's share done (the region's threads meet at the end). */
+void sy_team_decode_attention(const float *q, int64_t q_sb, int64_t q_sh, float scale, const void *k_cache,
+                              const void *v_cache, int is_bf16, int64_t sb, int64_t so, int64_t sh,
+                              int64_t num_blocks, int block_size, const int32_t *tables, int64_t table_stride,
+                              const int32_t *lens, int B, int Hq, int Hkv, int D, float *out, float *scratch,
+                              int64_t scratch_stride, float *parts, int threads) {
+    const attn_plan pl = plan_attention(B, Hq, Hkv, D, threads);
+    const attn_args a = {q, q_sb, q_sh, scale, k_cache, v_cache, is_bf16, sb, so, sh, num_blocks, block_size,
+                         tables, table_stride, lens, Hq, Hkv, D, out, scratch, pl.chunks > 1 ? parts : NULL,
+                         scratch_stride};
+    const int units = pl.pairs * pl.chunks;
+#pragma omp for schedule(dynamic, 1)
+    for (int unit = 0; unit < units; unit++) (void)attention_unit(&pl, &a, unit);
+    if (pl.chunks > 1) {
+#pragma omp for schedule(static)
+        for (int pair = 0; pair < pl.pairs; pair++) merge_pair(&pl, &a, pair);
+    }
 }
 
 /* Paged prefill / extend attention: the new tokens of P sequences packed as q [T, Hq, D] (token t of sequence p
@@ -391,9 +467,7 @@ int sy_prefill_attention(const float *q, int64_t q_st, int64_t q_sh, float scale
                          int block_size, const int32_t *tables, int64_t table_stride, int64_t table_width,
                          const int32_t *cu, const int32_t *lens, int P, int Hq, int Hkv, int D, float *out,
                          float *scratch, int64_t scratch_stride, int threads) {
-    if (D % 16 || D < 16 || D > MAX_HEAD_DIM || Hq > MAX_Q_HEADS || Hkv <= 0 || Hq % Hkv ||
-        (is_bf16 && (int64_t)block_size * D > MAX_BLOCK_ROW))
-        return 2;
+    if (!attention_shape_ok(Hq, 1, D, block_size, is_bf16) || Hkv <= 0 || Hq % Hkv) return 2;
     if (P <= 0) return 0;
     for (int p = 0; p < P; p++) {
         const int64_t len = lens[p], n_new = (int64_t)cu[p + 1] - cu[p];
@@ -515,46 +589,57 @@ static inline __attribute__((always_inline)) void panel_tile(const float *x, int
  * their own rows stay in L2 -- with split panels every core re-read all of x for each of its panels and ran
  * ~5% behind oneDNN in the engine). Rows go in blocks of PANEL_ROW_TILES tiles so that a block of x stays
  * in L2 while the panels pass over it. Each output element is one k-ordered sum, whatever the split. */
-void sy_gemm_panels_f32(const float *x, int64_t xs, const float *panels, const float *bias, float *y, int64_t ys,
-                        int M, int64_t N, int64_t K, int threads) {
+static inline int panel_threads(int M, int64_t N, int64_t K, int threads) {
+    return (int64_t)M * N * K < 65536 || (N + PANEL_N - 1) / PANEL_N < 2 ? 1 : threads;
+}
+
+/* Thread t of nt's share of sy_gemm_panels_f32 (the native decode step calls it inside its parallel region). */
+void sy_part_gemm_panels_f32(const float *x, int64_t xs, const float *panels, const float *bias, float *y, int64_t ys,
+                             int M, int64_t N, int64_t K, int t, int nt) {
     const int64_t num_panels = (N + PANEL_N - 1) / PANEL_N, panel_floats = K * PANEL_N;
     const int64_t panel_lines = panel_floats * 4 / 64;
     const int row_tiles = (M + PANEL_M - 1) / PANEL_M;
-    if ((int64_t)M * N * K < 65536 || num_panels < 2) threads = 1;
+    nt = panel_threads(M, N, K, nt);
+    if (t >= nt) return;
+    const int split_rows = row_tiles >= 64 * nt;
+    const int64_t p_first = split_rows ? 0 : num_panels * t / nt;
+    const int64_t p_last = split_rows ? num_panels : num_panels * (t + 1) / nt;
+    const int r_first = split_rows ? row_tiles * t / nt : 0;
+    const int r_last = split_rows ? row_tiles * (t + 1) / nt : row_tiles;
+    for (int r0 = r_first; r0 < r_last; r0 += PANEL_ROW_TILES) {
+        const int r1 = r0 + PANEL_ROW_TILES < r_last ? r0 + PANEL_ROW_TILES : r_last;
+        for (int64_t p = p_first; p < p_last; p++) {
+            const float *panel = panels + p * panel_floats;
+            const int ncols = N - p * PANEL_N < PANEL_N ? (int)(N - p * PANEL_N) : PANEL_N;
+            const float *b = bias ? bias + p * PANEL_N : NULL;
+            /* the next panel is prefetched in equal shares over this block's row tiles */
+            const int64_t share = p + 1 < p_last ? (panel_lines + (r1 - r0) - 1) / (r1 - r0) : 0;
+            for (int r = r0; r < r1; r++) {
+                const int m0 = r * PANEL_M, mr = M - m0 < PANEL_M ? M - m0 : PANEL_M;
+                const int64_t done = (int64_t)(r - r0) * share;
+                const int64_t lines = done >= panel_lines ? 0 : done + share > panel_lines ? panel_lines - done
+                                                                                            : share;
+                const char *pf = (const char *)(panel + panel_floats) + done * 64;
+                float *yt = y + (int64_t)m0 * ys + p * PANEL_N;
+                if (mr == PANEL_M) /* literal row count: the full tile's loop is fully unrolled */
+                    panel_tile(x + (int64_t)m0 * xs, xs, panel, K, PANEL_M, yt, ys, ncols, b, pf, lines);
+                else
+                    panel_tile(x + (int64_t)m0 * xs, xs, panel, K, mr, yt, ys, ncols, b, pf, lines);
+            }
+        }
+    }
+}
+
+void sy_gemm_panels_f32(const float *x, int64_t xs, const float *panels, const float *bias, float *y, int64_t ys,
+                        int M, int64_t N, int64_t K, int threads) {
+    threads = panel_threads(M, N, K, threads);
 #pragma omp parallel num_threads(threads)
     {
 #ifdef _OPENMP
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        sy_part_gemm_panels_f32(x, xs, panels, bias, y, ys, M, N, K, omp_get_thread_num(), omp_get_num_threads());
 #else
-        const int t = 0, nt = 1;
+        sy_part_gemm_panels_f32(x, xs, panels, bias, y, ys, M, N, K, 0, 1);
 #endif
-        const int split_rows = row_tiles >= 64 * nt;
-        const int64_t p_first = split_rows ? 0 : num_panels * t / nt;
-        const int64_t p_last = split_rows ? num_panels : num_panels * (t + 1) / nt;
-        const int r_first = split_rows ? row_tiles * t / nt : 0;
-        const int r_last = split_rows ? row_tiles * (t + 1) / nt : row_tiles;
-        for (int r0 = r_first; r0 < r_last; r0 += PANEL_ROW_TILES) {
-            const int r1 = r0 + PANEL_ROW_TILES < r_last ? r0 + PANEL_ROW_TILES : r_last;
-            for (int64_t p = p_first; p < p_last; p++) {
-                const float *panel = panels + p * panel_floats;
-                const int ncols = N - p * PANEL_N < PANEL_N ? (int)(N - p * PANEL_N) : PANEL_N;
-                const float *b = bias ? bias + p * PANEL_N : NULL;
-                /* the next panel is prefetched in equal shares over this block's row tiles */
-                const int64_t share = p + 1 < p_last ? (panel_lines + (r1 - r0) - 1) / (r1 - r0) : 0;
-                for (int r = r0; r < r1; r++) {
-                    const int m0 = r * PANEL_M, mr = M - m0 < PANEL_M ? M - m0 : PANEL_M;
-                    const int64_t done = (int64_t)(r - r0) * share;
-                    const int64_t lines = done >= panel_lines ? 0 : done + share > panel_lines ? panel_lines - done
-                                                                                                : share;
-                    const char *pf = (const char *)(panel + panel_floats) + done * 64;
-                    float *yt = y + (int64_t)m0 * ys + p * PANEL_N;
-                    if (mr == PANEL_M) /* literal row count: the full tile's loop is fully unrolled */
-                        panel_tile(x + (int64_t)m0 * xs, xs, panel, K, PANEL_M, yt, ys, ncols, b, pf, lines);
-                    else
-                        panel_tile(x + (int64_t)m0 * xs, xs, panel, K, mr, yt, ys, ncols, b, pf, lines);
-                }
-            }
-        }
     }
 }
 
@@ -646,24 +731,30 @@ void sy_rms_norm_f32(const float *x, int64_t x_stride, const float *res, int64_t
  * silu(g) = g / (1 + exp(-g)). Evaluated with e = exp(-|g|) <= 1 (no overflow): g / (1 + e) for g >= 0,
  * g * e / (1 + e) below. fp32; within a few ulp of torch's silu-then-multiply. Rows of gu at t * gs, out
  * contiguous [T, inter]. */
-void sy_silu_mul_f32(const float *gu, int64_t gs, float *out, int T, int inter, int threads) {
+static void silu_mul_row(const float *g, float *o, int inter) {
     const int iv = inter - inter % 16;
+    const float *u = g + inter;
+    for (int i = 0; i < iv; i += 16) {
+        const v16 x = ld(g + i);
+        const i16 neg = x < 0.0f;
+        const v16 ax = (v16)((i16)x & 0x7fffffff); /* |x|: clear the sign bit */
+        const v16 e = exp_nonpos16((v16){0} - ax);
+        const v16 num = (v16)((neg & (i16)(x * e)) | (~neg & (i16)x));
+        *(v16 *)(o + i) = num / (1.0f + e) * ld(u + i);
+    }
+    for (int i = iv; i < inter; i++) {
+        const float x = g[i], e = expf(-fabsf(x));
+        o[i] = (x < 0.0f ? x * e : x) / (1.0f + e) * u[i];
+    }
+}
+
+/* Rows [r0, r1) of sy_silu_mul_f32, on the calling thread. */
+void sy_silu_mul_rows_f32(const float *gu, int64_t gs, float *out, int inter, int r0, int r1) {
+    for (int t = r0; t < r1; t++) silu_mul_row(gu + (int64_t)t * gs, out + (int64_t)t * inter, inter);
+}
+
+void sy_silu_mul_f32(const float *gu, int64_t gs, float *out, int T, int inter, int threads) {
     if ((int64_t)T * inter < 65536) threads = 1;
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int t = 0; t < T; t++) {
-        const float *g = gu + (int64_t)t * gs, *u = g + inter;
-        float *o = out + (int64_t)t * inter;
-        for (int i = 0; i < iv; i += 16) {
-            const v16 x = ld(g + i);
-            const i16 neg = x < 0.0f;
-            const v16 ax = (v16)((i16)x & 0x7fffffff); /* |x|: clear the sign bit */
-            const v16 e = exp_nonpos16((v16){0} - ax);
-            const v16 num = (v16)((neg & (i16)(x * e)) | (~neg & (i16)x));
-            *(v16 *)(o + i) = num / (1.0f + e) * ld(u + i);
-        }
-        for (int i = iv; i < inter; i++) {
-            const float x = g[i], e = expf(-fabsf(x));
-            o[i] = (x < 0.0f ? x * e : x) / (1.0f + e) * u[i];
-        }
-    }
+    for (int t = 0; t < T; t++) silu_mul_row(gu + (int64_t)t * gs, out + (int64_t)t * inter, inter);
 }

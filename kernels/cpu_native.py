@@ -39,9 +39,15 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_native.c", "cpu
 # Small-M linear: above this many rows MKL's GEMM wins (measured on the SmolLM-135M shapes).
 LINEAR_MAX_ROWS = 4
 _FLAGS = ["-O3", "-shared", "-fPIC", "-std=gnu11"]
-# Tried in order: OpenMP shares torch's threads; -march=native enables AVX-512/AVX2 (the vector code also
-# builds without it, slower); a compiler lacking one of them still gets a working library.
-_VARIANTS = (["-march=native", "-fopenmp"], ["-march=native"], ["-fopenmp"], [])
+
+
+def _variants() -> tuple[list[str], ...]:
+    """Tried in order: OpenMP shares torch's threads; -march=native enables AVX-512 or AVX2 (the vector code
+    also builds without it, slower); a compiler lacking one of them still gets a working library.
+    SWITCHYARD_CPU_MARCH names another target (x86-64-v3: the AVX2 kernels on a machine with AVX-512, for a
+    fleet of mixed machines sharing one cache, or to test them)."""
+    march = f"-march={os.environ.get('SWITCHYARD_CPU_MARCH', '').strip() or 'native'}"
+    return ([march, "-fopenmp"], [march], ["-fopenmp"], [])
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "lib": CDLL | None once resolved, "why": reason when None
@@ -87,7 +93,7 @@ def _resolve() -> tuple[ctypes.CDLL | None, str]:
     except (OSError, subprocess.SubprocessError) as exc:
         return None, f"{compiler}: {exc}"
     errors = []
-    for extra in _VARIANTS:
+    for extra in _variants():
         flags = _FLAGS + extra
         key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(),
                                          _cpu_identity().encode()])).hexdigest()[:20]

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hosted.engine import SamplingParams
+from kernels import cpu_lowp
 from tests.kernels.native_setup import native_on, needs_compiler  # noqa: F401 (native_on: autouse fixture)
 
 pytestmark = needs_compiler
@@ -22,6 +23,13 @@ PRECISIONS = {
     "int8": {"dtype": "float32", "quantization": "int8"},
     "int4": {"dtype": "float32", "quantization": "int4", "quantization_group_size": 32},
 }
+# What each precision's strips need from the CPU (AVX-512 VNNI / BF16, or AVX2 + FMA); fp32 panels need nothing.
+NEEDS = {"fp32": 0, "int8": cpu_lowp.FEATURE_VNNI, "int4": cpu_lowp.FEATURE_VNNI, "bf16": cpu_lowp.FEATURE_BF16}
+
+
+def _need(precision: str) -> None:
+    if cpu_lowp.features() & NEEDS[precision] != NEEDS[precision]:
+        pytest.skip(f"this CPU or compiler has no native {precision} kernels (the engine uses the torch reference)")
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +70,7 @@ def _run(make_engine, model_dir: str, monkeypatch, native: bool, **kw):
 
 @pytest.mark.parametrize("precision", list(PRECISIONS))
 def test_native_step_equals_the_per_op_loop(precision, head64_dir, make_engine, monkeypatch):
+    _need(precision)
     tokens, logits = _run(make_engine, head64_dir, monkeypatch, True, **PRECISIONS[precision])
     want_tokens, want_logits = _run(make_engine, head64_dir, monkeypatch, False, **PRECISIONS[precision])
     assert tokens == want_tokens
@@ -71,6 +80,7 @@ def test_native_step_equals_the_per_op_loop(precision, head64_dir, make_engine, 
 
 
 def test_native_step_bf16_is_as_close_to_fp32_as_the_per_op_loop(head64_dir, make_engine, monkeypatch):
+    _need("bf16")
     _, fp32 = _run(make_engine, head64_dir, monkeypatch, True, dtype="float32")
     _, native = _run(make_engine, head64_dir, monkeypatch, True, dtype="bfloat16")
     _, per_op = _run(make_engine, head64_dir, monkeypatch, False, dtype="bfloat16")

@@ -20,6 +20,7 @@ needs_compiler = pytest.mark.skipif(not HAVE_COMPILER, reason="no C compiler on 
 def native_on(monkeypatch):
     monkeypatch.delenv("SWITCHYARD_CPU_NATIVE", raising=False)
     monkeypatch.delenv("SWITCHYARD_KERNELS", raising=False)
+    monkeypatch.delenv("SWITCHYARD_CPU_MARCH", raising=False)
     cpu_native.reset()
     yield
     cpu_native.reset()

@@ -86,6 +86,42 @@ def test_bf16_matches_float64_and_torch(m, n, k):
     torch.testing.assert_close(got_bf16, F.linear(x.bfloat16(), w, bias.bfloat16()), rtol=2e-2, atol=2e-2)
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+@pytest.mark.parametrize("march,features", [("x86-64-v3", 3), ("x86-64-v2", 0)])
+def test_each_instruction_set_build_matches_the_reference(march, features, monkeypatch):
+    """The AVX2 kernels (x86-64-v3: what a machine without AVX-512 runs) and no kernels at all (x86-64-v2: the
+    torch reference serves), whichever of them this machine's own -march=native build is not."""
+    if "avx2" not in _cpu_flags() or "fma" not in _cpu_flags():
+        pytest.skip("this CPU cannot run the x86-64-v3 build")
+    monkeypatch.setenv("SWITCHYARD_CPU_MARCH", march)
+    cpu_native.reset()
+    assert cpu_lowp.features() == features
+    torch.manual_seed(5)
+    for m, n, k in [(1, 576, 576), (5, 70, 96), (13, 50, 160)]:
+        w, x, bias = torch.randn(n, k), torch.randn(m, k), torch.randn(n)
+        q, s = reference.quantize_int8(w)
+        int8 = cpu_lowp.make_int8(q, s, bias)
+        packed, scales, zeros = reference.quantize_int4(w, 32)
+        int4 = cpu_lowp.make_int4(packed, scales, zeros, 32, bias)
+        bf16 = cpu_lowp.make_bf16(w.bfloat16(), bias)
+        if not features:
+            assert int8 is None and int4 is None and bf16 is None
+            continue
+        exact8 = _rounded_activations(x) @ reference.dequantize_int8(q, s).double().t() + bias.double()
+        assert _rel(int8(x), exact8) < 2e-6
+        deq4 = reference.dequantize_int4(packed, scales.half().float(), zeros.half().float(), 32).double()
+        assert _rel(int4(x), _rounded_activations(x) @ deq4.t() + bias.double()) < 5e-6
+        exact16 = x.bfloat16().double() @ w.bfloat16().double().t() + bias.double()
+        assert _rel(bf16(x), exact16) < 2e-6
+
+
 def test_strided_rows_threads_and_empty_input():
     _need(cpu_lowp.FEATURE_VNNI)
     torch.manual_seed(3)
