@@ -162,8 +162,14 @@ static inline __attribute__((always_inline)) void pv_tile(const float *p, int64_
         for (int c = 0; c < CH; c++) *(v16 *)(acc + g * D + 16 * c) = a[g][c];
 }
 
-/* Query-head tile per head_dim: 4 heads at D = 64, 2 at D = 128 (16 accumulators), else 1 (generic code). */
+/* Query-head tile per head_dim: 4 heads at D = 64, 2 at D = 128 (16 accumulators), else 1 (generic code).
+ * With 16 256-bit registers instead of 32 512-bit ones, one head at D >= 64 (a 3-head tile at D = 64 spilled
+ * its accumulators every token). */
+#if defined(__AVX512F__) || defined(SY_WIDE_ATTENTION_TILES)
 static inline int tile_of(int CH) { return CH <= 4 ? MAX_GT : CH <= 8 ? 2 : 1; }
+#else
+static inline int tile_of(int CH) { return CH <= 2 ? 2 : 1; }
+#endif
 
 static void qk_dispatch(const float *q, int64_t q_sh, const float *k, int64_t rs, int m, int gt, int CH,
                         float scale, float *scores, int64_t ld_s) {
