@@ -7,7 +7,9 @@
  * fp32 step's results equal that path's; what it removes is the Python between them (~11 calls per layer,
  * each with its argument checks, tensor allocations and ctypes marshalling: ~180 us per layer measured at
  * batch 1, as much as reading an int8 layer's weights). Activations are fp32 throughout; bf16 weights see
- * their input rounded to bf16 (as the per-op path's bf16 model does), a bf16 cache gets its K/V rounded. */
+ * their input rounded to bf16 (as the per-op path's bf16 model does), a bf16 cache gets its K/V rounded.
+ * The step is one parallel region over the kernels' per-thread parts (sy_part_*, sy_team_decode_attention),
+ * with barriers between ops. */
 #include <stdint.h>
 #include <string.h>
 #ifdef _OPENMP

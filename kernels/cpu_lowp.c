@@ -4,6 +4,9 @@
  *                        same call (a scale per block, as llama.cpp's q8_0)
  *   sy_linear_q4         likewise for W 4-bit per group along K with a scale and zero point per group
  *   sy_gemm_bf16         y = x W^T, W bf16, x bf16 (or fp32, rounded to bf16 first), fp32 accumulation
+ *   sy_quantize_rows_q8, sy_part_*   the same in pieces for the native decode step: rows of x rounded, then
+ *                        thread t of n's share of the strip groups (the step puts the barriers between)
+ * Built for AVX-512 (VNNI, BF16) or, without it, AVX2 + FMA + F16C over the same layouts.
  *
  * Weights are stored in strips of 16 output rows, interleaved so that one 64-byte load holds the next few k
  * of all 16 rows (the layout VNNI / AVX512-BF16 dot products consume): a broadcast of x's k-group against

@@ -117,6 +117,62 @@ static inline void prefetch_block(const void *cache, int elem, int64_t blk, int6
 #define MAX_GT 4
 #define MAX_CH 16
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+/* AVX2 (16 256-bit registers): the 16-float tiles above spill there (prefill attention ran at ~8 GFLOP/s on Zen
+ * 3, decode attention over 64 x 384 tokens read its KV at ~4 GB/s), so these take one query head at a time,
+ * 8 tokens' dot products at once reduced by one 8 x 8 transpose-add, and values in passes of 64 dims. */
+
+/* the 8 horizontal sums of p[0..7], in order */
+static inline __m256 hsum8(const __m256 *p) {
+    const __m256 h01 = _mm256_hadd_ps(p[0], p[1]), h23 = _mm256_hadd_ps(p[2], p[3]);
+    const __m256 h45 = _mm256_hadd_ps(p[4], p[5]), h67 = _mm256_hadd_ps(p[6], p[7]);
+    const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
+    return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20), _mm256_permute2f128_ps(h0123, h4567, 0x31));
+}
+
+static inline __attribute__((always_inline)) void qk_tile(const float *q, int64_t q_sh, const float *k, int64_t rs,
+                                                          int m, int GT, int CH, float scale, float *scores,
+                                                          int64_t ld_s) {
+    if (CH < 1) __builtin_unreachable();
+    const int C8 = 2 * CH;
+    for (int g = 0; g < GT; g++) {
+        const float *qg = q + g * q_sh;
+        for (int t0 = 0; t0 < m; t0 += 8) {
+            const int mt = m - t0 < 8 ? m - t0 : 8;
+            __m256 p[8];
+            for (int t = 0; t < 8; t++) p[t] = _mm256_setzero_ps();
+            for (int c = 0; c < C8; c++) {
+                const __m256 qc = _mm256_loadu_ps(qg + 8 * c);
+                for (int t = 0; t < 8; t++)
+                    if (t < mt) p[t] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k + (t0 + t) * rs + 8 * c), p[t]);
+            }
+            float out[8];
+            _mm256_storeu_ps(out, _mm256_mul_ps(hsum8(p), _mm256_set1_ps(scale)));
+            memcpy(scores + g * ld_s + t0, out, sizeof(float) * mt);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void pv_tile(const float *p, int64_t ld_s, const float *v, int64_t rs,
+                                                          int n, int GT, int CH, float *acc, int D) {
+    const int C8 = 2 * CH;
+    for (int g = 0; g < GT; g++)
+        for (int c0 = 0; c0 < C8; c0 += 8) {
+            const int nc = C8 - c0 < 8 ? C8 - c0 : 8;
+            float *ag = acc + g * D + 8 * c0;
+            __m256 a[8];
+            for (int c = 0; c < 8; c++) a[c] = c < nc ? _mm256_loadu_ps(ag + 8 * c) : _mm256_setzero_ps();
+            for (int t = 0; t < n; t++) {
+                const __m256 w = _mm256_set1_ps(p[g * ld_s + t]);
+                const float *vt = v + t * rs + 8 * c0;
+                for (int c = 0; c < 8; c++)
+                    if (c < nc) a[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vt + 8 * c), a[c]);
+            }
+            for (int c = 0; c < nc; c++) _mm256_storeu_ps(ag + 8 * c, a[c]);
+        }
+}
+#else
 /* scores[g * ld_s + t] = scale * q_g . k_t for the m (<= 16) tokens at k, k + rs, ... */
 static inline __attribute__((always_inline)) void qk_tile(const float *q, int64_t q_sh, const float *k, int64_t rs,
                                                           int m, int GT, int CH, float scale, float *scores,
@@ -161,6 +217,7 @@ static inline __attribute__((always_inline)) void pv_tile(const float *p, int64_
     for (int g = 0; g < GT; g++)
         for (int c = 0; c < CH; c++) *(v16 *)(acc + g * D + 16 * c) = a[g][c];
 }
+#endif
 
 /* Query-head tile per head_dim: 4 heads at D = 64, 2 at D = 128 (16 accumulators), else 1 (generic code).
  * With 16 256-bit registers instead of 32 512-bit ones, one head at D >= 64 (a 3-head tile at D = 64 spilled
@@ -220,6 +277,32 @@ static inline float *thread_scratch(float *scratch, int64_t stride) {
 #endif
 }
 
+/* max of s[0 .. n), n a positive multiple of 16 */
+static inline float row_max16(const float *s, int n) {
+#if !defined(__AVX512F__) && defined(__AVX2__)
+    /* the 16-lane compare-and-select below became lane-by-lane inserts on AVX2 (~10% of decode attention) */
+    __m256 m0 = _mm256_loadu_ps(s), m1 = _mm256_loadu_ps(s + 8);
+    for (int t = 16; t < n; t += 16) {
+        m0 = _mm256_max_ps(_mm256_loadu_ps(s + t), m0);
+        m1 = _mm256_max_ps(_mm256_loadu_ps(s + t + 8), m1);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, _mm256_max_ps(m0, m1));
+    float mx = lanes[0];
+    for (int i = 1; i < 8; i++) mx = lanes[i] > mx ? lanes[i] : mx;
+    return mx;
+#else
+    v16 mv = ld(s);
+    for (int t = 16; t < n; t += 16) {
+        const v16 x = ld(s + t);
+        mv = (v16)(((i16)(x > mv) & (i16)x) | ((i16)(x <= mv) & (i16)mv));
+    }
+    float mx = mv[0];
+    for (int i = 1; i < 16; i++) mx = mv[i] > mx ? mv[i] : mx;
+    return mx;
+#endif
+}
+
 /* Decode attention for one sequence and all its heads, every cached K/V row read once in block order.
  * q: head j at q + j * q_sh (fp32, contiguous D); scores are scaled by `scale`; out: [Hq, D] contiguous;
  * scores: [Hq, round_up(len, 16)] scratch. D % 16 == 0, D <= 16 * MAX_CH. stats (NULL or [Hq][2]) gets each
@@ -260,13 +343,7 @@ static int decode_seq(const float *q, int64_t q_sh, float scale, const void *kc,
     for (int j = 0; j < Hq; j++) {
         float *sj = scores + (int64_t)j * ld_s;
         for (int t = len; t < ld_s; t++) sj[t] = -INFINITY;
-        v16 mv = ld(sj);
-        for (int t = 16; t < ld_s; t += 16) {
-            const v16 x = ld(sj + t);
-            mv = (v16)(((i16)(x > mv) & (i16)x) | ((i16)(x <= mv) & (i16)mv));
-        }
-        float mx = mv[0];
-        for (int i = 1; i < 16; i++) mx = mv[i] > mx ? mv[i] : mx;
+        const float mx = row_max16(sj, ld_s);
         v16 sum = {0};
         for (int t = 0; t < ld_s; t += 16) {
             const v16 e = exp_nonpos16(ld(sj + t) - mx);
