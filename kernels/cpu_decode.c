@@ -130,30 +130,6 @@ static void project_part(const sy_proj *p, const float *x, int M, float *y, cons
     }
 }
 
-/* Ask for the first `bytes` of thread t's share of projection p's weights before the op that reads them, so
- * the next matrix's stream has started when the thread gets there (the hardware prefetcher otherwise
- * ramps up again at each of a step's ~120 matrices). The shares mirror the parts' splits: strip groups of
- * 2 int8 / 2 int4 / 4 bf16 strips of 16 rows (cpu_lowp.c's GROUP_*, group_share) and 48-column panels
- * (sy_part_gemm_panels_f32), a product below 65536 multiply-adds on thread 0 alone. */
-#ifndef NEXT_PREFETCH_BYTES
-#define NEXT_PREFETCH_BYTES 4096
-#endif
-static void prefetch_share(const sy_proj *p, int M, int t, int nt) {
-    int64_t unit_bytes, units, work;
-    const int64_t strips = (p->n + 15) / 16;
-    switch (p->kind) {
-    case PROJ_INT8: unit_bytes = 2 * p->k * 16, units = (strips + 1) / 2, work = M * p->n * p->k / 4; break;
-    case PROJ_INT4: unit_bytes = 2 * p->k * 8, units = (strips + 1) / 2, work = M * p->n * p->k / 8; break;
-    case PROJ_BF16: unit_bytes = 4 * p->k * 32, units = (strips + 3) / 4, work = M * p->n * p->k / 2; break;
-    case PROJ_F32_PANELS: unit_bytes = 48 * p->k * 4, units = (p->n + 47) / 48, work = M * p->n * p->k; break;
-    default: return;
-    }
-    if (work < 65536 || (p->kind == PROJ_F32_PANELS && units < 2)) nt = 1;
-    if (t >= nt) return;
-    const char *at = (const char *)p->w + units * t / nt * unit_bytes;
-    for (int c = 0; c < NEXT_PREFETCH_BYTES; c += 64) __builtin_prefetch(at + c, 0, 3);
-}
-
 /* bf16 cache: the KV write with K/V rounded (the fp32 one is sy_store_kv_f32). Slots checked by the caller. */
 static void store_kv_bf16(const float *key, const float *value, int64_t kst, int64_t vst, uint16_t *k_cache,
                           uint16_t *v_cache, int64_t cb, int64_t co, int64_t ch, int block_size, const int64_t *slots,
@@ -299,7 +275,6 @@ int64_t sy_decode_layers(const sy_model *m, const float *hidden_in, int B, const
             }
             BARRIER;
             project_part(&L->qkv, w.x, B, w.qkv, w.lowp, t, nt);
-            prefetch_share(&L->o, B, t, nt);
             BARRIER;
             if (rows) {
                 const float *q = w.qkv + r0 * nqkv;
@@ -321,7 +296,6 @@ int64_t sy_decode_layers(const sy_model *m, const float *hidden_in, int B, const
             if (rows) round_rows(&L->o, w.attn, B, r0, r1, w.lowp);
             BARRIER;
             project_part(&L->o, w.attn, B, hidden, w.lowp, t, nt);
-            prefetch_share(&L->gate_up, B, t, nt);
             BARRIER;
             if (rows) {
                 sy_rms_norm_f32(hidden + (int64_t)r0 * H, H, residual + (int64_t)r0 * H, H, L->post_norm,
@@ -330,7 +304,6 @@ int64_t sy_decode_layers(const sy_model *m, const float *hidden_in, int B, const
             }
             BARRIER;
             project_part(&L->gate_up, w.x, B, w.gate_up, w.lowp, t, nt);
-            prefetch_share(&L->down, B, t, nt);
             BARRIER;
             if (rows) {
                 sy_silu_mul_rows_f32(w.gate_up, 2 * (int64_t)I, w.act, I, r0, r1);
@@ -338,7 +311,6 @@ int64_t sy_decode_layers(const sy_model *m, const float *hidden_in, int B, const
             }
             BARRIER;
             project_part(&L->down, w.act, B, hidden, w.lowp, t, nt);
-            if (l + 1 < m->num_layers) prefetch_share(&m->layers[l + 1].qkv, B, t, nt);
             BARRIER;
         }
     }

@@ -96,8 +96,9 @@ def _cpu_flags() -> set[str]:
 
 @pytest.mark.parametrize("march,features", [("x86-64-v3", 3), ("x86-64-v2", 0)])
 def test_each_instruction_set_build_matches_the_reference(march, features, monkeypatch):
-    """The AVX2 kernels (x86-64-v3: what a machine without AVX-512 runs) and no kernels at all (x86-64-v2: the
-    torch reference serves), whichever of them this machine's own -march=native build is not."""
+    """Builds for other targets than this machine's -march=native: x86-64-v3 (what a machine without AVX-512
+    runs: the AVX2 strip GEMMs, panel tile and attention tiles) and x86-64-v2 (no strip kernels: the torch
+    reference serves the low-precision layers)."""
     if "avx2" not in _cpu_flags() or "fma" not in _cpu_flags():
         pytest.skip("this CPU cannot run the x86-64-v3 build")
     monkeypatch.setenv("SWITCHYARD_CPU_MARCH", march)
@@ -120,6 +121,20 @@ def test_each_instruction_set_build_matches_the_reference(march, features, monke
         assert _rel(int4(x), _rounded_activations(x) @ deq4.t() + bias.double()) < 5e-6
         exact16 = x.bfloat16().double() @ w.bfloat16().double().t() + bias.double()
         assert _rel(bf16(x), exact16) < 2e-6
+    # the fp32 panel GEMM and decode / prefill attention, whose register tiles differ per target
+    lib = cpu_native.library()
+    w, x, bias = torch.randn(100, 96), torch.randn(13, 96), torch.randn(100)
+    assert _rel(cpu_native.PackedLinear(w, bias, lib)(x), x.double() @ w.double().t() + bias.double()) < 1e-5
+    k_cache, v_cache = torch.randn(12, 16, 2, 64), torch.randn(12, 16, 2, 64)
+    tables, lens = torch.tensor([[3, 7, 1, 0], [5, 2, 9, 11]], dtype=torch.int32), torch.tensor([50, 17], dtype=torch.int32)
+    q = torch.randn(2, 6, 64)
+    want = reference.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125)
+    torch.testing.assert_close(cpu_native.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125), want,
+                               rtol=1e-4, atol=1e-5)
+    qp, cu = torch.randn(20, 6, 64), torch.tensor([0, 12, 20], dtype=torch.int32)
+    want = reference.paged_prefill_attention(qp, k_cache, v_cache, tables, cu, lens, 0.125)
+    torch.testing.assert_close(cpu_native.paged_prefill_attention(qp, k_cache, v_cache, tables, cu, lens, 0.125),
+                               want, rtol=1e-4, atol=1e-5)
 
 
 def test_strided_rows_threads_and_empty_input():
