@@ -73,7 +73,7 @@ typedef struct {
     const sy_layer *layers;
 } sy_model;
 
-enum { ERR_BLOCK = -1, ERR_SHAPE = -2, ERR_TABLE = -3, ERR_POSITION = -4, ERR_SLOT = -5, ERR_KERNEL = -6 };
+enum { ERR_BLOCK = -1, ERR_TABLE = -3, ERR_POSITION = -4, ERR_SLOT = -5 }; /* (-2, -6: retired codes) */
 
 static inline int64_t align64(int64_t bytes) { return (bytes + 63) & ~(int64_t)63; }
 
@@ -183,8 +183,23 @@ static sy_buffers carve(const sy_model *m, int B, int max_len, int threads, char
     return b;
 }
 
-/* Everything the step could fail on, checked before its region starts (so nothing is written when it fails):
- * positions, slots, each sequence's block ids and table width, the shapes and kinds the kernels take. */
+/* Whether this build's kernels take the plan (attention shape, each projection's kind and shape): 1 or 0.
+ * Fixed for the model's life, so cpu_decode.py asks once when it builds the plan, not every step. */
+int sy_decode_plan_ok(const sy_model *m) {
+    if (!sy_decode_attention_shape_ok(m->num_heads, m->num_kv_heads, m->head_dim, m->block_size, m->kv_bf16))
+        return 0;
+    const int features = sy_lowp_features();
+    for (int l = 0; l < m->num_layers; l++) {
+        const sy_layer *L = &m->layers[l];
+        if (!projection_ok(&L->qkv, features) || !projection_ok(&L->o, features) ||
+            !projection_ok(&L->gate_up, features) || !projection_ok(&L->down, features))
+            return 0;
+    }
+    return 1;
+}
+
+/* Everything a step's inputs could fail on, checked before its region starts (so nothing is written when it
+ * fails): positions, slots, each sequence's block ids and table width. */
 static int64_t check_step(const sy_model *m, int B, const int64_t *positions, const int64_t *slots,
                           const int32_t *tables, int64_t table_width, const int32_t *lens, int *max_len) {
     const int64_t num_slots = m->num_blocks * m->block_size;
@@ -201,15 +216,6 @@ static int64_t check_step(const sy_model *m, int B, const int64_t *positions, co
             const int32_t blk = tables[b * table_width + i];
             if (blk < 0 || blk >= m->num_blocks) return ERR_BLOCK;
         }
-    }
-    if (!sy_decode_attention_shape_ok(m->num_heads, m->num_kv_heads, m->head_dim, m->block_size, m->kv_bf16))
-        return ERR_SHAPE;
-    const int features = sy_lowp_features();
-    for (int l = 0; l < m->num_layers; l++) {
-        const sy_layer *L = &m->layers[l];
-        if (!projection_ok(&L->qkv, features) || !projection_ok(&L->o, features) ||
-            !projection_ok(&L->gate_up, features) || !projection_ok(&L->down, features))
-            return ERR_KERNEL;
     }
     return 0;
 }
@@ -230,7 +236,7 @@ static inline void row_share(int B, int t, int nt, int *r0, int *r1) {
  * stream before it, as LlamaForCausalLM's layer loop leaves them (the final norm and the head stay in Python).
  * positions, slots int64 [B]; tables int32 [B, table_width]; lens int32 [B] (context including the new token).
  * Returns 0; a positive number of workspace bytes when `workspace_size` is smaller (nothing done); or a
- * negative ERR_* (nothing done: check_step runs first).
+ * negative ERR_* (nothing done: check_step runs first). The plan must have passed sy_decode_plan_ok.
  * The whole step is one parallel region: each op's share on every thread, a barrier where the next op reads
  * what another thread wrote. A step used to open ~10 regions per layer (300 at 30 layers); each fork and
  * join costs microseconds and the weight stream ramps up again behind it. */

@@ -173,4 +173,6 @@ def build_decode_step(layers: Sequence[DecoderLayerWeights], *, num_heads: int, 
     model = _Model(len(layers), hidden, num_heads, num_kv_heads, head_dim, inter, eps, scale,
                    int(cache.dtype == _BF16), block_size, cache.stride(0), cache.stride(1), cache.stride(2),
                    num_blocks, cos_sin.data_ptr(), cos_sin.shape[0], ctypes.addressof(rows))
+    if not lib.sy_decode_plan_ok(ctypes.addressof(model)):
+        return None  # a projection kind or shape this build's kernels do not run
     return DecodeStep(lib, model, rows, keep)

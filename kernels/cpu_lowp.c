@@ -62,14 +62,11 @@
 #if defined(SY_INT_KERNELS) || defined(SY_BF16_KERNELS)
 /* Ask for the weight bytes PREFETCH_AHEAD past the `bytes` about to be read: each thread reads NS strips side
  * by side, more concurrent streams than the hardware prefetcher keeps ahead of. */
-#ifndef PREFETCH_LOCALITY
-#define PREFETCH_LOCALITY 0
-#endif
 #ifndef PREFETCH_AHEAD
 #define PREFETCH_AHEAD 2048
 #endif
 static inline void prefetch_ahead(const void *p, int bytes) {
-    for (int c = 0; c < bytes; c += 64) __builtin_prefetch((const char *)p + PREFETCH_AHEAD + c, 0, PREFETCH_LOCALITY);
+    for (int c = 0; c < bytes; c += 64) __builtin_prefetch((const char *)p + PREFETCH_AHEAD + c, 0, 0);
 }
 
 #endif
