@@ -23,7 +23,10 @@ void sy_team_decode_attention(const float *q, int64_t q_sb, int64_t q_sh, float 
                               const void *v_cache, int is_bf16, int64_t sb, int64_t so, int64_t sh,
                               int64_t num_blocks, int block_size, const int32_t *tables, int64_t table_stride,
                               const int32_t *lens, int B, int Hq, int Hkv, int D, float *out, float *scratch,
-                              int64_t scratch_stride, float *parts, int threads);
+                              int64_t scratch_stride, float *parts, int threads, void *team, int t, int nt);
+int64_t sy_team_bytes(void);
+void *sy_team_reset(void *buf);
+void sy_team_barrier(void *team, int nt);
 int64_t sy_decode_attention_parts(int B, int Hq, int Hkv, int D, int threads);
 int sy_decode_attention_shape_ok(int Hq, int Hkv, int D, int block_size, int is_bf16);
 void sy_part_gemm_panels_f32(const float *x, int64_t xs, const float *panels, const float *bias, float *y, int64_t ys,
@@ -154,6 +157,7 @@ static inline void *next_buffer(char *at, int64_t *off, int64_t bytes) {
 /* The step's buffers, carved out of one workspace (base NULL: only the size is computed). */
 typedef struct {
     float *x, *qkv, *q_rot, *k_rot, *attn, *gate_up, *act, *scores, *parts;
+    void *team; /* the region's barrier and shared counter (cpu_team.c) */
     void *lowp; /* rounded activations of the widest projection input (int8 + block scales, or bf16) */
     int64_t bytes;
 } sy_buffers;
@@ -178,6 +182,7 @@ static sy_buffers carve(const sy_model *m, int B, int max_len, int threads, char
     b.lowp = CARVE(char, q8 > b16 ? q8 : b16);
     b.scores = CARVE(float, (int64_t)threads * m->num_heads * ((max_len + 15) / 16 * 16) * 4);
     b.parts = CARVE(float, sy_decode_attention_parts(B, m->num_heads, m->num_kv_heads, m->head_dim, threads) * 4);
+    b.team = CARVE(char, sy_team_bytes());
 #undef CARVE
     b.bytes = off + 64; /* + the base's alignment */
     return b;
@@ -226,11 +231,8 @@ static inline void row_share(int B, int t, int nt, int *r0, int *r1) {
     *r1 = (int)((int64_t)B * (t + 1) / nt);
 }
 
-#ifdef _OPENMP
-#define BARRIER _Pragma("omp barrier")
-#else
-#define BARRIER
-#endif
+/* the step's own barrier (cpu_team.c): it spins where libgomp's may sleep */
+#define BARRIER sy_team_barrier(team, nt)
 
 /* hidden [B, H] fp32 (the embedded tokens) -> hidden, residual [B, H]: the last layer's output and the residual
  * stream before it, as LlamaForCausalLM's layer loop leaves them (the final norm and the head stay in Python).
@@ -239,7 +241,8 @@ static inline void row_share(int B, int t, int nt, int *r0, int *r1) {
  * negative ERR_* (nothing done: check_step runs first). The plan must have passed sy_decode_plan_ok.
  * The whole step is one parallel region: each op's share on every thread, a barrier where the next op reads
  * what another thread wrote. A step used to open ~10 regions per layer (300 at 30 layers); each fork and
- * join costs microseconds and the weight stream ramps up again behind it. */
+ * join costs microseconds and the weight stream ramps up again behind it. The barriers are cpu_team.c's, not
+ * OpenMP's (which sleep on a futex in a process with more OpenMP threads than cores, as a server has). */
 int64_t sy_decode_layers(const sy_model *m, const float *hidden_in, int B, const int64_t *positions,
                          const int64_t *slots, const int32_t *tables, int64_t table_width, const int32_t *lens,
                          float *hidden, float *residual, void *workspace, int64_t workspace_size, int threads) {
@@ -254,6 +257,7 @@ int64_t sy_decode_layers(const sy_model *m, const float *hidden_in, int B, const
     const int64_t qd = (int64_t)Hq * D, kvd = (int64_t)Hkv * D, nqkv = qd + 2 * kvd;
     const int64_t num_slots = m->num_blocks * m->block_size;
     const int64_t score_stride = (int64_t)Hq * ((max_len + 15) / 16 * 16);
+    void *const team = sy_team_reset(w.team);
 
 #pragma omp parallel num_threads(threads)
     {
@@ -298,7 +302,8 @@ int64_t sy_decode_layers(const sy_model *m, const float *hidden_in, int B, const
             BARRIER;
             sy_team_decode_attention(w.q_rot, qd, D, m->scale, L->k_cache, L->v_cache, m->kv_bf16, m->cache_sb,
                                      m->cache_so, m->cache_sh, m->num_blocks, m->block_size, tables, table_width,
-                                     lens, B, Hq, Hkv, D, w.attn, w.scores, score_stride, w.parts, threads);
+                                     lens, B, Hq, Hkv, D, w.attn, w.scores, score_stride, w.parts, threads, team, t,
+                                     nt);
             if (rows) round_rows(&L->o, w.attn, B, r0, r1, w.lowp);
             BARRIER;
             project_part(&L->o, w.attn, B, hidden, w.lowp, t, nt);

@@ -19,6 +19,11 @@
 #include <omp.h>
 #endif
 
+/* cpu_team.c: the decode step's barriers and shared loop counter */
+void sy_team_barrier(void *team, int nt);
+int sy_team_next(void *team);
+void sy_team_rewind(void *team);
+
 typedef float v16 __attribute__((vector_size(64), aligned(4))); /* 16 floats; unaligned loads allowed */
 typedef int32_t i16 __attribute__((vector_size(64)));
 
@@ -513,25 +518,26 @@ int sy_decode_attention(const float *q, int64_t q_sb, int64_t q_sh, float scale,
     return bad;
 }
 
-/* sy_decode_attention called by every thread of a parallel region (the native decode step), the units shared
- * out among them, with `parts` of sy_decode_attention_parts(B, Hq, Hkv, D, threads) floats from the caller.
- * The shape, lengths and block ids must have been checked (sy_decode_layers checks them before its region);
- * returns with every thread's share done (the region's threads meet at the end). */
+/* sy_decode_attention called by every thread t of nt of a parallel region (the native decode step), the units
+ * shared out among them through `team` (cpu_team.c), with `parts` of sy_decode_attention_parts(B, Hq, Hkv, D,
+ * threads) floats from the caller. The shape, lengths and block ids must have been checked (sy_decode_layers
+ * checks them before its region); returns with every thread's share done (the team meets at the end). */
 void sy_team_decode_attention(const float *q, int64_t q_sb, int64_t q_sh, float scale, const void *k_cache,
                               const void *v_cache, int is_bf16, int64_t sb, int64_t so, int64_t sh,
                               int64_t num_blocks, int block_size, const int32_t *tables, int64_t table_stride,
                               const int32_t *lens, int B, int Hq, int Hkv, int D, float *out, float *scratch,
-                              int64_t scratch_stride, float *parts, int threads) {
+                              int64_t scratch_stride, float *parts, int threads, void *team, int t, int nt) {
     const attn_plan pl = plan_attention(B, Hq, Hkv, D, threads);
     const attn_args a = {q, q_sb, q_sh, scale, k_cache, v_cache, is_bf16, sb, so, sh, num_blocks, block_size,
                          tables, table_stride, lens, Hq, Hkv, D, out, scratch, pl.chunks > 1 ? parts : NULL,
                          scratch_stride};
     const int units = pl.pairs * pl.chunks;
-#pragma omp for schedule(dynamic, 1)
-    for (int unit = 0; unit < units; unit++) (void)attention_unit(&pl, &a, unit);
+    for (int unit = sy_team_next(team); unit < units; unit = sy_team_next(team)) (void)attention_unit(&pl, &a, unit);
+    sy_team_barrier(team, nt);
+    if (t == 0) sy_team_rewind(team); /* nobody takes units again before the next barrier */
     if (pl.chunks > 1) {
-#pragma omp for schedule(static)
-        for (int pair = 0; pair < pl.pairs; pair++) merge_pair(&pl, &a, pair);
+        for (int pair = t; pair < pl.pairs; pair += nt) merge_pair(&pl, &a, pair);
+        sy_team_barrier(team, nt);
     }
 }
 

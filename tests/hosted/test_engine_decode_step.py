@@ -123,3 +123,40 @@ def test_native_step_rejects_bad_inputs_before_writing(head64_dir, make_engine, 
         step(hidden, positions.int(), slots, tables, lens)
     out, residual = step(hidden, positions, slots, tables, lens)
     assert out.shape == residual.shape == (2, 192) and torch.isfinite(out).all()
+
+
+def test_native_step_on_an_engine_thread_beside_another_openmp_pool(head64_dir, make_engine, monkeypatch):
+    """As a server runs it: the step on its own thread with 2 threads while another live thread keeps an OpenMP
+    pool (libgomp then counts more threads than a 2-core machine has, and its own barriers stop spinning; the
+    step's barriers are cpu_team.c's). Its logits must still equal the per-op loop's, step for step."""
+    import threading
+
+    want_tokens, want_logits = _run(make_engine, head64_dir, monkeypatch, False, **PRECISIONS["fp32"])
+    release, pooled, got = threading.Event(), threading.Event(), {}
+
+    def other_pool() -> None:
+        torch.set_num_threads(2)
+        a = torch.randn(512, 512)
+        (a @ a).sum()  # a parallel region: this thread now owns a pool of its own
+        pooled.set()
+        release.wait(60)
+
+    def engine_thread() -> None:
+        torch.set_num_threads(2)
+        got["run"] = _run(make_engine, head64_dir, monkeypatch, True, **PRECISIONS["fp32"])
+
+    holder = threading.Thread(target=other_pool)
+    holder.start()
+    try:
+        assert pooled.wait(60)
+        worker = threading.Thread(target=engine_thread)
+        worker.start()
+        worker.join(120)
+    finally:
+        release.set()
+        holder.join()
+    tokens, logits = got["run"]
+    assert tokens == want_tokens
+    assert len(logits) == len(want_logits)
+    for step_logits, want in zip(logits, want_logits):
+        assert torch.equal(step_logits, want)
