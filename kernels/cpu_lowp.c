@@ -1,5 +1,6 @@
 /* Low-precision projections for the CPU engine, compiled with cpu_native.c into one library:
- *   sy_lowp_features     which of the kernels below this build has (bit 0: int8/int4 VNNI, bit 1: bf16)
+ *   sy_lowp_features     which of the kernels below this build has (bit 0: int8/int4, bit 1: bf16, bit 2:
+ *                        bf16 by AVX512-BF16 dot products)
  *   sy_linear_q8         y = x W^T, W int8 per output row (symmetric), x rounded to int8 per block of 32 in the
  *                        same call (a scale per block, as llama.cpp's q8_0)
  *   sy_linear_q4         likewise for W 4-bit per group along K with a scale and zero point per group
@@ -93,6 +94,8 @@ static inline void store_cols2(float *y, __m256 lo, __m256 hi, int ncols) {
 }
 #endif
 
+/* bit 0: int8/int4 kernels, bit 1: bf16 kernels, bit 2: the bf16 ones use AVX512-BF16 dot products (where
+ * oneDNN's bf16 GEMM has them too) */
 int sy_lowp_features(void) {
     int f = 0;
 #ifdef SY_INT_KERNELS
@@ -100,6 +103,9 @@ int sy_lowp_features(void) {
 #endif
 #ifdef SY_BF16_KERNELS
     f |= 2;
+#endif
+#ifdef SY_HAVE_BF16
+    f |= 4;
 #endif
     return f;
 }

@@ -26,7 +26,7 @@ from kernels import cpu_native
 _F32, _BF16 = torch.float32, torch.bfloat16
 QBLOCK = 32  # activation block of sy_quantize_rows_q8 (as in cpu_lowp.c)
 GROUP_Q8, GROUP_BF16 = 2, 4  # strips per tile group, interleaved step by step (as in cpu_lowp.c; int4: none)
-FEATURE_VNNI, FEATURE_BF16 = 1, 2
+FEATURE_VNNI, FEATURE_BF16, FEATURE_AVX512_BF16 = 1, 2, 4
 
 
 def features() -> int:
