@@ -6,7 +6,9 @@ libgomp stops spinning between regions in every pool and parks its workers inste
 step's hundreds of short regions then pays a wake-up: the engine thread decoded at 45 tok/s instead of 82
 (SmolLM2 int8, batch 1, 2 cores) after the model had been loaded on a long-lived asyncio executor thread.
 So the load runs on a thread of its own that ends with it (taking its pool along), and the engine thread sets
-its own OpenMP thread count (a per-thread setting) to what torch was given.
+its own OpenMP thread count (a per-thread setting) to what torch was given. (The native decode step has since
+moved to barriers of its own, kernels/cpu_team.c, that never sleep; prefill and mixed steps, a region per op,
+still depend on this.)
 """
 from __future__ import annotations
 
