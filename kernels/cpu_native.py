@@ -35,8 +35,7 @@ log = logging.getLogger(__name__)
 
 # cpu_lowp.c: the bf16 / int8 / int4 projections (kernels/cpu_lowp.py wraps them); cpu_decode.c: a whole decode
 # step's layers in one call over these kernels (kernels/cpu_decode.py); cpu_team.c: that step's barriers.
-_SOURCE_NAMES = ("cpu_native.c", "cpu_lowp.c", "cpu_decode.c", "cpu_team.c")
-SOURCES = tuple(Path(__file__).with_name(name) for name in _SOURCE_NAMES)
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_native.c", "cpu_lowp.c", "cpu_decode.c", "cpu_team.c"))
 # Small-M linear: above this many rows MKL's GEMM wins (measured on the SmolLM-135M shapes).
 LINEAR_MAX_ROWS = 4
 _FLAGS = ["-O3", "-shared", "-fPIC", "-std=gnu11"]

@@ -240,16 +240,8 @@ def _cpu_store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, 
         reference.store_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
-# bf16 projections of at least this many rows go to torch's GEMM (oneDNN) when both have AVX512-BF16: on Zen 5
-# (2 threads, SmolLM2's shapes) ours led at 64 rows, tied at 128-192 and trailed by 15-40% from 256 (a prefill's).
-BF16_TORCH_MIN_ROWS = 192
-
-
 def _cpu_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
                 packed: cpu_native.PackedLinear | None = None) -> Tensor:
-    if (isinstance(packed, cpu_lowp.BF16Strips) and x.dtype == weight.dtype == torch.bfloat16
-            and x.numel() >= BF16_TORCH_MIN_ROWS * x.shape[-1] and cpu_lowp.features() & cpu_lowp.FEATURE_AVX512_BF16):
-        return F.linear(x, weight, bias)
     if packed is not None:
         return packed(x)
     out = cpu_native.linear(x, weight, bias)
