@@ -2,7 +2,10 @@
  * plan once per model and calls it per step):
  *   sy_decode_layers   for B sequences with one new token each: for every layer, RMSNorm (+ residual), the
  *                      fused QKV projection, rotary, the KV-cache write, paged decode attention, the output
- *                      projection, RMSNorm + residual, gate_up, SiLU-and-multiply, down.
+ *                      projection, RMSNorm + residual, gate_up, SiLU-and-multiply, down; and, when the caller
+ *                      asks for logits and the plan has a head, the final RMSNorm and the vocabulary projection
+ *                      in the same region (the head is a fifth of SmolLM2's bytes: its stream follows the last
+ *                      layer's without a second fork, and without the norm and head calls from Python).
  * It calls the same kernels the per-op path calls one by one from Python (cpu_native.c, cpu_lowp.c), so an
  * fp32 step's results equal that path's; what it removes is the Python between them (~11 calls per layer,
  * each with its argument checks, tensor allocations and ctypes marshalling: ~180 us per layer measured at
@@ -74,9 +77,11 @@ typedef struct {
     const float *cos_sin;                            /* [max_position, D] fp32 */
     int64_t max_position;
     const sy_layer *layers;
+    const float *final_norm; /* fp32 [hidden], or NULL: no head in the plan (the caller projects) */
+    sy_proj head;            /* [vocab rows, hidden]; w NULL when final_norm is */
 } sy_model;
 
-enum { ERR_BLOCK = -1, ERR_TABLE = -3, ERR_POSITION = -4, ERR_SLOT = -5 }; /* (-2, -6: retired codes) */
+enum { ERR_BLOCK = -1, ERR_TABLE = -3, ERR_POSITION = -4, ERR_SLOT = -5, ERR_NO_HEAD = -7 }; /* (-2, -6 retired) */
 
 static inline int64_t align64(int64_t bytes) { return (bytes + 63) & ~(int64_t)63; }
 
@@ -200,6 +205,7 @@ int sy_decode_plan_ok(const sy_model *m) {
             !projection_ok(&L->gate_up, features) || !projection_ok(&L->down, features))
             return 0;
     }
+    if (m->final_norm && (!m->head.w || m->head.k != m->hidden || !projection_ok(&m->head, features))) return 0;
     return 1;
 }
 
@@ -235,7 +241,8 @@ static inline void row_share(int B, int t, int nt, int *r0, int *r1) {
 #define BARRIER sy_team_barrier(team, nt)
 
 /* hidden [B, H] fp32 (the embedded tokens) -> hidden, residual [B, H]: the last layer's output and the residual
- * stream before it, as LlamaForCausalLM's layer loop leaves them (the final norm and the head stay in Python).
+ * stream before it, as LlamaForCausalLM's layer loop leaves them. With `logits` (only for a plan with a head)
+ * also logits [B, head rows] fp32 = head(final_norm(hidden + residual)); residual then holds that sum.
  * positions, slots int64 [B]; tables int32 [B, table_width]; lens int32 [B] (context including the new token).
  * Returns 0; a positive number of workspace bytes when `workspace_size` is smaller (nothing done); or a
  * negative ERR_* (nothing done: check_step runs first). The plan must have passed sy_decode_plan_ok.
@@ -245,8 +252,10 @@ static inline void row_share(int B, int t, int nt, int *r0, int *r1) {
  * OpenMP's (which sleep on a futex in a process with more OpenMP threads than cores, as a server has). */
 int64_t sy_decode_layers(const sy_model *m, const float *hidden_in, int B, const int64_t *positions,
                          const int64_t *slots, const int32_t *tables, int64_t table_width, const int32_t *lens,
-                         float *hidden, float *residual, void *workspace, int64_t workspace_size, int threads) {
+                         float *hidden, float *residual, float *logits, void *workspace, int64_t workspace_size,
+                         int threads) {
     if (B <= 0) return 0;
+    if (logits && !m->final_norm) return ERR_NO_HEAD;
     int max_len;
     const int64_t bad = check_step(m, B, positions, slots, tables, table_width, lens, &max_len);
     if (bad) return bad;
@@ -323,6 +332,15 @@ int64_t sy_decode_layers(const sy_model *m, const float *hidden_in, int B, const
             BARRIER;
             project_part(&L->down, w.act, B, hidden, w.lowp, t, nt);
             BARRIER;
+        }
+        if (logits) {
+            if (rows) {
+                sy_rms_norm_f32(hidden + (int64_t)r0 * H, H, residual + (int64_t)r0 * H, H, m->final_norm,
+                                w.x + (int64_t)r0 * H, residual + (int64_t)r0 * H, rows, H, m->eps);
+                round_rows(&m->head, w.x, B, r0, r1, w.lowp);
+            }
+            BARRIER;
+            project_part(&m->head, w.x, B, logits, w.lowp, t, nt); /* the region's end joins the threads */
         }
     }
     return 0;

@@ -4,7 +4,9 @@ one token, the layer loop runs in C over the same kernels the per-op path calls 
 `build_decode_step` takes the model's per-layer weights as the CPU kernels packed them (fp32 panels, int8 /
 int4 / bf16 strips), the norms and each layer's KV cache, and returns a `DecodeStep`, or None where the native
 step cannot take the model (no native library, a projection left unpacked, a shape the kernels do not
-take): the caller then keeps its per-op loop. The step holds raw pointers to those tensors and references
+take): the caller then keeps its per-op loop. Given the final norm and the packed vocabulary head too, the
+step can also end in logits (`DecodeStep.logits`), the head run in the same native region; a head the
+kernels cannot take leaves `has_head` False and the caller projects as before. The step holds raw pointers to those tensors and references
 to them (so they outlive it); they must not be replaced afterwards, as for the packed layers themselves.
 """
 from __future__ import annotations
@@ -39,7 +41,7 @@ class _Model(ctypes.Structure):
                 ("inter", _I), ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("kv_bf16", _I),
                 ("block_size", _I), ("cache_sb", ctypes.c_int64), ("cache_so", ctypes.c_int64),
                 ("cache_sh", ctypes.c_int64), ("num_blocks", ctypes.c_int64), ("cos_sin", _P),
-                ("max_position", ctypes.c_int64), ("layers", _P)]
+                ("max_position", ctypes.c_int64), ("layers", _P), ("final_norm", _P), ("head", _Proj)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,11 +88,25 @@ class DecodeStep:
         self._lib, self._model, self._layers, self._keep = lib, model, layers, keep
         self._model_p = ctypes.addressof(model)
         self.hidden = model.hidden
+        self.has_head = bool(model.final_norm)
+        self.head_rows = int(model.head.n) if self.has_head else 0
         self._workspace = ThreadScratch()
         self._size = 0
 
     def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out, residual, _ = self._run(hidden, positions, slots, block_tables, context_lens, False)
+        return out, residual
+
+    def logits(self, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
+               context_lens: torch.Tensor) -> torch.Tensor:
+        """The step through the final norm and the head: fp32 logits [B, head_rows] (needs has_head)."""
+        if not self.has_head:
+            raise ValueError("decode step: this plan has no head (build_decode_step was not given one it can run)")
+        return self._run(hidden, positions, slots, block_tables, context_lens, True)[2]
+
+    def _run(self, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
+             context_lens: torch.Tensor, with_logits: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         batch = hidden.shape[0]
         if hidden.dtype != _F32 or not hidden.is_contiguous():
             hidden = hidden.float().contiguous()
@@ -103,19 +119,20 @@ class DecodeStep:
                              "int32 block tables and lengths, all contiguous)")
         out = torch.empty(batch, self.hidden, dtype=_F32)
         residual = torch.empty(batch, self.hidden, dtype=_F32)
+        logits = torch.empty(batch, self.head_rows, dtype=_F32) if with_logits else None
         threads = max(1, torch.get_num_threads())
         for _ in range(2):
             ws = self._workspace.get(self._size)  # grows to what the C side asked for (once per new shape)
             rc = self._lib.sy_decode_layers(
                 self._model_p, hidden.data_ptr(), batch, positions.data_ptr(), slots.data_ptr(),
                 block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(), out.data_ptr(),
-                residual.data_ptr(), ws, self._workspace.buf.numel(), threads)
+                residual.data_ptr(), data_ptr(logits), ws, self._workspace.buf.numel(), threads)
             if rc <= 0:
                 break
             self._size = int(rc)
         if rc < 0:
             _raise(int(rc), self._model, context_lens)
-        return out, residual
+        return out, residual, logits
 
 
 def _raise(rc: int, model: _Model, lens: torch.Tensor) -> None:
@@ -127,12 +144,17 @@ def _raise(rc: int, model: _Model, lens: torch.Tensor) -> None:
         raise IndexError(f"decode step: a position is outside the rotary table of {model.max_position} positions")
     if rc == -5:
         raise IndexError(f"decode step: a slot is beyond the cache's {model.num_blocks * model.block_size} slots")
+    if rc == -7:
+        raise ValueError("decode step: logits asked of a plan without a head")
     raise RuntimeError(f"decode step: a native kernel failed (rc={rc})")
 
 
 def build_decode_step(layers: Sequence[DecoderLayerWeights], *, num_heads: int, num_kv_heads: int, head_dim: int,
-                      eps: float, scale: float, cos_sin: torch.Tensor) -> DecodeStep | None:
-    """The native step over `layers` (Llama-family decoder layers in order), or None where it does not apply."""
+                      eps: float, scale: float, cos_sin: torch.Tensor, final_norm: torch.Tensor | None = None,
+                      head: object | None = None) -> DecodeStep | None:
+    """The native step over `layers` (Llama-family decoder layers in order), or None where it does not apply.
+    With `final_norm` ([hidden]) and `head` (the vocabulary projection as the CPU kernels packed it) the step
+    can end in logits too, if the kernels take that head (else DecodeStep.has_head is False)."""
     lib = cpu_native.library()
     if lib is None or not layers or cos_sin.dtype != _F32 or not cos_sin.is_contiguous() or cos_sin.dim() != 2:
         return None
@@ -175,4 +197,22 @@ def build_decode_step(layers: Sequence[DecoderLayerWeights], *, num_heads: int, 
                    num_blocks, cos_sin.data_ptr(), cos_sin.shape[0], ctypes.addressof(rows))
     if not lib.sy_decode_plan_ok(ctypes.addressof(model)):
         return None  # a projection kind or shape this build's kernels do not run
+    if final_norm is not None and head is not None:
+        _attach_head(lib, model, keep, final_norm, head, hidden)
     return DecodeStep(lib, model, rows, keep)
+
+
+def _attach_head(lib: ctypes.CDLL, model: _Model, keep: list[torch.Tensor], final_norm: torch.Tensor, head: object,
+                 hidden: int) -> None:
+    """Put the final norm and the head into the plan, or leave the plan without a head if the kernels cannot
+    run it (a head left unpacked, another shape)."""
+    n = getattr(head, "n", 0)
+    proj = _projection(head, n, hidden) if n else None
+    if proj is None or final_norm.shape != (hidden,) or final_norm.device.type != "cpu":
+        return
+    norm = final_norm.detach().to(_F32).contiguous()
+    model.final_norm, model.head = norm.data_ptr(), proj
+    if not lib.sy_decode_plan_ok(ctypes.addressof(model)):
+        model.final_norm, model.head = None, _Proj()
+        return
+    keep += [norm, *_owned(head)]

@@ -140,9 +140,11 @@ class LlamaForCausalLM(nn.Module):
                                       layer.mlp.gate_up_proj.packed, layer.mlp.down_proj.packed,
                                       layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache)
                   for layer in self.layers]
+        head = self.lm_head.packed if self.lm_head is not None else self.tied_head.packed
         self.decode_step = self.kernels.build_decode_step(
             layers, num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
-            head_dim=cfg.head_dim, eps=cfg.rms_norm_eps, scale=self.layers[0].self_attn.attn.scale, cos_sin=cos_sin)
+            head_dim=cfg.head_dim, eps=cfg.rms_norm_eps, scale=self.layers[0].self_attn.attn.scale, cos_sin=cos_sin,
+            final_norm=self.norm.weight, head=head)
         return self.decode_step is not None
 
     def is_quantized(self) -> bool:
@@ -156,10 +158,14 @@ class LlamaForCausalLM(nn.Module):
         """Run every new token through the model; return fp32 logits only for rows `logits_indices`."""
         hidden = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
-        if self.decode_step is not None and 0 < meta.num_decode_tokens == hidden.shape[0]:
-            # Every row a decode: the whole layer loop in one native call (its activations are fp32).
-            hidden, residual = self.decode_step(hidden, positions, meta.slot_mapping, meta.decode_block_tables,
-                                                meta.decode_context_lens)
+        step = self.decode_step
+        if step is not None and 0 < meta.num_decode_tokens == hidden.shape[0]:
+            # Every row a decode: the whole layer loop in one native call (its activations are fp32), through the
+            # head too when every row is sampled (a decode-only batch's logits_indices are then 0..B-1).
+            args = (hidden, positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens)
+            if step.has_head and logits_indices.shape[0] == hidden.shape[0]:
+                return self._vocab_logits(step.logits(*args))
+            hidden, residual = step(*args)
         else:
             for layer in self.layers:
                 hidden, residual = layer.forward(hidden, residual, positions, cos_sin, meta)
@@ -170,6 +176,10 @@ class LlamaForCausalLM(nn.Module):
         residual = residual.index_select(0, logits_indices)
         hidden, _ = self.norm(hidden, residual)
         logits = self.lm_head.forward(hidden) if self.lm_head is not None else self.tied_head(hidden)
+        return self._vocab_logits(logits)
+
+    def _vocab_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The head's output as fp32 logits over the whole vocabulary."""
         if self.head_vocab_ids is not None:
             # Scatter the narrow head's rows into the full vocabulary: the sampler and the rejection sampler
             # see a distribution over every token, zero outside the head's.

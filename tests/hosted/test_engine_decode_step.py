@@ -32,22 +32,33 @@ def _need(precision: str) -> None:
         pytest.skip(f"this CPU or compiler has no native {precision} kernels (the engine uses the torch reference)")
 
 
-@pytest.fixture(scope="module")
-def head64_dir(tmp_path_factory):
+def _small_llama(directory, tied: bool) -> str:
     """SmolLM's attention shape in small: head_dim 64, three query heads per KV head, non-trivial norms."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(11)
     model = LlamaForCausalLM(LlamaConfig(hidden_size=192, num_hidden_layers=3, num_attention_heads=6,
                                          num_key_value_heads=2, intermediate_size=320, vocab_size=320,
-                                         max_position_embeddings=256, eos_token_id=None, bos_token_id=None))
+                                         max_position_embeddings=256, eos_token_id=None, bos_token_id=None,
+                                         tie_word_embeddings=tied))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape))
-    path = tmp_path_factory.mktemp("decode_step") / "llama"
+    path = directory / "llama"
     model.save_pretrained(str(path))
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def head64_dir(tmp_path_factory):
+    return _small_llama(tmp_path_factory.mktemp("decode_step"), tied=False)
+
+
+@pytest.fixture(scope="module")
+def tied_dir(tmp_path_factory):
+    """As head64_dir with the head tied to the embedding table (SmolLM2's)."""
+    return _small_llama(tmp_path_factory.mktemp("decode_step_tied"), tied=True)
 
 
 def _run(make_engine, model_dir: str, monkeypatch, native: bool, **kw):
@@ -55,6 +66,8 @@ def _run(make_engine, model_dir: str, monkeypatch, native: bool, **kw):
     monkeypatch.setenv("SWITCHYARD_CPU_DECODE_STEP", "1" if native else "0")
     engine = make_engine(model_dir, max_num_batched_tokens=256, **kw)
     assert (engine.runner.model.decode_step is not None) == native
+    if native:  # the step runs the final norm and the head too, at every precision here
+        assert engine.runner.model.decode_step.has_head
     runner, decode_logits = engine.runner, []
     execute = runner.execute
 
@@ -68,11 +81,14 @@ def _run(make_engine, model_dir: str, monkeypatch, native: bool, **kw):
     return engine.generate(PROMPTS, PARAMS), decode_logits
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["lm_head", "tied_head"])
 @pytest.mark.parametrize("precision", list(PRECISIONS))
-def test_native_step_equals_the_per_op_loop(precision, head64_dir, make_engine, monkeypatch):
+def test_native_step_equals_the_per_op_loop(precision, tied, head64_dir, tied_dir, make_engine, monkeypatch):
+    """Layers, final norm and head (an lm_head, or the embedding table: int8 copies beside int8/int4 layers)."""
     _need(precision)
-    tokens, logits = _run(make_engine, head64_dir, monkeypatch, True, **PRECISIONS[precision])
-    want_tokens, want_logits = _run(make_engine, head64_dir, monkeypatch, False, **PRECISIONS[precision])
+    model_dir = tied_dir if tied else head64_dir
+    tokens, logits = _run(make_engine, model_dir, monkeypatch, True, **PRECISIONS[precision])
+    want_tokens, want_logits = _run(make_engine, model_dir, monkeypatch, False, **PRECISIONS[precision])
     assert tokens == want_tokens
     assert len(logits) == len(want_logits) >= PARAMS.max_tokens - 1
     for got, want in zip(logits, want_logits):
@@ -121,8 +137,33 @@ def test_native_step_rejects_bad_inputs_before_writing(head64_dir, make_engine, 
         step(hidden, positions, slots, tables, torch.tensor([4, 10 * runner.block_size], dtype=torch.int32))
     with pytest.raises(ValueError, match="do not match"):
         step(hidden, positions.int(), slots, tables, lens)
+    with pytest.raises(IndexError, match="rotary table"):  # the same checks before the head's path writes
+        step.logits(hidden, torch.tensor([3, 10**6]), slots, tables, lens)
+    assert torch.equal(runner.kv_cache, before)
     out, residual = step(hidden, positions, slots, tables, lens)
     assert out.shape == residual.shape == (2, 192) and torch.isfinite(out).all()
+    logits = step.logits(hidden, positions, slots, tables, lens)
+    assert logits.shape == (2, 320) and torch.isfinite(logits).all()
+
+
+def test_native_step_without_a_head_refuses_logits(head64_dir, make_engine, monkeypatch):
+    """A head the kernels cannot take (here: left unpacked) leaves the plan without one: the layers still run
+    natively, the model projects in Python, and asking the step for logits is refused."""
+    monkeypatch.setenv("SWITCHYARD_CPU_DECODE_STEP", "1")
+    engine = make_engine(head64_dir, max_num_batched_tokens=256)
+    model = engine.runner.model
+    full = model.decode_step
+    want = engine.generate(PROMPTS, PARAMS)
+    model.lm_head.packed = None
+    assert model.bind_decode_step(engine.runner.cos_sin)
+    layers_only = model.decode_step
+    assert full.has_head and not layers_only.has_head
+    args = (torch.randn(1, 192), torch.tensor([0]), torch.tensor([0]), torch.zeros(1, 1, dtype=torch.int32),
+            torch.tensor([1], dtype=torch.int32))
+    with pytest.raises(ValueError, match="no head"):
+        layers_only.logits(*args)
+    assert torch.equal(layers_only(*args)[0], full(*args)[0])
+    assert engine.generate(PROMPTS, PARAMS) == want  # fp32: the unpacked head gives the same greedy tokens
 
 
 def test_native_step_on_an_engine_thread_beside_another_openmp_pool(head64_dir, make_engine, monkeypatch):

@@ -90,3 +90,21 @@ def test_greedy_tokens_take_the_first_index_on_ties_like_argmax():
     logits[5, 7] = float("nan")  # NaN wins, as in argmax
     assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
     assert greedy_tokens(logits)[5] == 7
+
+
+def test_greedy_tokens_on_views_and_inference_tensors():
+    """The CPU path reads the logits through numpy: strided views and inference-mode tensors give argmax's ids,
+    as int64, and the logits are left as they were."""
+    from hosted.sampler import greedy_tokens
+
+    gen = torch.Generator().manual_seed(4)
+    with torch.inference_mode():
+        logits = torch.randn(6, 1000, generator=gen)
+        before = logits.clone()
+        for view in (logits, logits[:, ::3], logits[::2], logits.t().contiguous().t()):
+            got = greedy_tokens(view)
+            assert got.dtype == torch.int64
+            assert torch.equal(got, view.argmax(dim=-1))
+        assert torch.equal(logits, before)
+    bf16 = torch.randn(3, 50, generator=gen).bfloat16()  # not fp32: torch's own reduction
+    assert torch.equal(greedy_tokens(bf16), bf16.argmax(dim=-1))
