@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from json.encoder import encode_basestring
 from typing import Any
 
 from hosted.generation import Event, Generation
@@ -99,6 +100,22 @@ class ChunkWriter:
         self.object = "chat.completion.chunk" if self.plan.kind == "chat" else "text_completion"
         self.offsets = {c.index: len(c.job.echo_text) for c in gen.choices}
         self.parsers = {c.index: ToolCallParser() for c in gen.choices} if self.plan.tools else {}
+        self._text_templates: dict[int, tuple[bytes, bytes]] = {}
+
+    def text_chunk(self, index: int, text: str) -> bytes:
+        """The chunk of a text delta without logprobs -- most of a stream: the bytes around the text are rendered
+        once per choice (by chunk() itself, around a placeholder) and the text alone is encoded per token."""
+        around = self._text_templates.get(index)
+        if around is None:
+            placeholder = "\x00"  # JSON escapes it, so the rendered chunk holds it exactly once
+            if self.plan.kind == "chat":
+                choice = {"index": index, "delta": {"content": placeholder}, "logprobs": None, "finish_reason": None}
+            else:
+                choice = {"index": index, "text": placeholder, "logprobs": None, "finish_reason": None}
+            # (the last occurrence: the choice follows the id and model names, which could hold one too)
+            before, _, after = self.chunk([choice]).rpartition(encode_basestring(placeholder).encode())
+            around = self._text_templates[index] = (before, after)
+        return around[0] + encode_basestring(text).encode() + around[1]
 
     def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
         body: dict[str, Any] = {"id": self.plan.request_id, "object": self.object, "created": self.created,
@@ -146,7 +163,9 @@ class ChunkWriter:
             return self._tool_event(ev, last)
         out = []
         c = ev.choice
-        if ev.text or ev.logprobs:
+        if ev.text and not self.plan.logprobs:
+            out.append(self.text_chunk(c.index, ev.text))
+        elif ev.text or ev.logprobs:
             if self.plan.kind == "chat":
                 lp = chat_logprobs(self.state, ev.logprobs) if self.plan.logprobs else None
                 out.append(self.chunk([{"index": c.index, "delta": {"content": ev.text}, "logprobs": lp,

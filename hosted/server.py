@@ -210,11 +210,13 @@ async def _stream(state: ServerState, gen: Generation) -> AsyncIterator[bytes]:
     finished = 0
     total = len(gen.choices)
     try:
-        async for ev in gen.iterate():
-            if ev.finish_reason is not None:
-                finished += 1
-            for chunk in writer.event(ev, last=finished == total):
-                yield chunk
+        # Closed with this body (a client gone mid-stream): a one-sequence generation's engine stream ends with it.
+        async with contextlib.aclosing(gen.iterate()) as events:  # type: ignore[type-var]
+            async for ev in events:
+                if ev.finish_reason is not None:
+                    finished += 1
+                for chunk in writer.event(ev, last=finished == total):
+                    yield chunk
     except (ValueError, EngineDeadError, RuntimeError) as exc:
         gen.outcome = "error"
         gen.cancel()
