@@ -64,6 +64,9 @@ def _add_serve(esub: argparse._SubParsersAction) -> None:
     p.add_argument("--quantize-head", default=None, action=argparse.BooleanOptionalAction,
                    help="read the lm_head as int8 on CPU (default: when --quantization is given or the checkpoint "
                         "is quantized)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="KV cache element type (default auto: --dtype); bfloat16 beside float32 or int8/int4 weights "
+                        "halves the cache bytes each decode step reads and doubles the tokens the pool holds (CPU)")
     p.add_argument("--speculative", default=None, choices=["ngram", "draft"],
                    help="speculative decoding: ngram = prompt lookup (no draft model); draft = --draft DIR")
     p.add_argument("--draft", default=None, metavar="DIR",
@@ -196,6 +199,7 @@ def load_model(args: argparse.Namespace) -> tuple[AsyncLLMEngine, Tokenizer]:
                           quantization=getattr(args, "quantization", None),
                           quantization_group_size=getattr(args, "quantization_group_size", 128),
                           quantize_head=getattr(args, "quantize_head", None),
+                          kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
                           speculative=getattr(args, "speculative", None), draft_model_dir=getattr(args, "draft", None),
                           num_speculative_tokens=getattr(args, "num_speculative_tokens", 4))
     engine = AsyncLLMEngine(LLMEngine(config), max_waiting=args.max_waiting)

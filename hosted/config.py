@@ -269,6 +269,9 @@ def _parse_rope(raw: dict[str, Any], source: str) -> tuple[float, dict[str, Any]
     return theta, None
 
 
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """How to run one model. Field names and defaults are the engine's public contract."""
@@ -291,6 +294,10 @@ class EngineConfig:
     # The lm_head read as int8 on CPU (the native VNNI GEMM; its full-precision weight stays for the embedding
     # lookup): None = when the decoder layers are quantized (as llama.cpp's q8_0 quantizes the tied head).
     quantize_head: bool | None = None
+    # The KV cache's element type: "auto" = `dtype`; "bfloat16" beside float32 / int8 / int4 weights halves the
+    # bytes every decode step reads from the cache and doubles the tokens a pool holds (llama.cpp keeps f16 KV by
+    # default); K and V are rounded to bf16 when written, attention still computes in fp32. CPU only for now.
+    kv_cache_dtype: str = "auto"
     # Speculative decoding (hosted/spec/): None = off; "ngram" = prompt lookup (n-grams of spec_ngram_max down
     # to spec_ngram_min tokens); "draft" = draft_model_dir, a small model with the same vocabulary (a draft
     # directory alone implies "draft"). Up to num_speculative_tokens drafts per decode per step, as many as
@@ -324,6 +331,8 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATION_SCHEMES:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_SCHEMES)} (or None), "
                              f"got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.quantization_group_size not in INT4_GROUP_SIZES:
             raise ValueError(f"quantization_group_size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}, "
                              f"got {self.quantization_group_size!r}")

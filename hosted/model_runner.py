@@ -39,6 +39,10 @@ class ModelRunner:
         self.dtype = torch_dtype(config.dtype)
         if self.device.type == "cpu" and self.dtype == torch.float16:
             raise ValueError("float16 is not supported on CPU; use float32 or bfloat16")
+        self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else torch_dtype(config.kv_cache_dtype)
+        if self.kv_dtype != self.dtype and self.device.type != "cpu":
+            raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype} beside {config.dtype} weights runs on CPU only "
+                             "(the Triton attention kernels take a cache of the model's dtype); use auto")
         self.block_size = config.block_size
         self.kernels = ops.select(self.device)  # the kernel backend, decided once for this model
         self.model = load_model(config.model_dir, model_config, self.dtype, self.device,
@@ -64,7 +68,7 @@ class ModelRunner:
     @property
     def bytes_per_block(self) -> int:
         c = self.model_config
-        elem = torch.empty(0, dtype=self.dtype).element_size()
+        elem = torch.empty(0, dtype=self.kv_dtype).element_size()
         return 2 * c.num_hidden_layers * self.block_size * c.num_key_value_heads * c.head_dim * elem
 
     def _pool_blocks(self, max_model_len: int) -> int:
@@ -91,9 +95,9 @@ class ModelRunner:
         c = self.model_config
         shape = (c.num_hidden_layers, 2, self.num_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
         if self.device.type == "cpu":
-            self.kv_cache = cpu_memory.cpu_zeros_on_huge_pages(shape, self.dtype)
+            self.kv_cache = cpu_memory.cpu_zeros_on_huge_pages(shape, self.kv_dtype)
         else:
-            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache = self.kv_cache[i, 0]
             attn.v_cache = self.kv_cache[i, 1]

@@ -22,12 +22,17 @@ PRECISIONS = {
     "fp32": {"dtype": "float32"},
     "int8": {"dtype": "float32", "quantization": "int8"},
     "int4": {"dtype": "float32", "quantization": "int4", "quantization_group_size": 32},
+    # fp32 activations over a bf16 KV cache (--kv-cache-dtype bfloat16): the step rounds K/V as the per-op
+    # loop's store does, and both read the cache through the same attention kernels
+    "fp32-kv-bf16": {"dtype": "float32", "kv_cache_dtype": "bfloat16"},
+    "int8-kv-bf16": {"dtype": "float32", "quantization": "int8", "kv_cache_dtype": "bfloat16"},
 }
 # What each precision's strips need from the CPU (AVX-512 VNNI / BF16, or AVX2 + FMA); fp32 panels need nothing.
 NEEDS = {"fp32": 0, "int8": cpu_lowp.FEATURE_VNNI, "int4": cpu_lowp.FEATURE_VNNI, "bf16": cpu_lowp.FEATURE_BF16}
 
 
 def _need(precision: str) -> None:
+    precision = precision.removesuffix("-kv-bf16")
     if cpu_lowp.features() & NEEDS[precision] != NEEDS[precision]:
         pytest.skip(f"this CPU or compiler has no native {precision} kernels (the engine uses the torch reference)")
 
