@@ -59,6 +59,9 @@ OUR_ARGS = {  # precision -> (GGUF type served, extra `engine serve` flags)
     "int8": ("F32", ["--dtype", "float32", "--quantization", "int8"]),
     "int4": ("Q4_0", ["--dtype", "float32", "--quantization", "int4", "--quantization-group-size", "32"]),
 }
+# Our rows again with a bf16 KV cache (--kv-cache-dtype bfloat16), as llama.cpp keeps an f16 one: same weights, half
+# the cache bytes per step. (bf16 weights already keep a bf16 cache.)
+KV_BF16_SUFFIX = " +bf16 KV"
 # Issue 13's targets beside the peers measured in the same run.
 TARGETS = {"roofline_fraction": 0.85, "int8_vs_fp32": 1.8, "int4_vs_fp32": 3.0}
 
@@ -185,11 +188,13 @@ def run_config(engine: str, precision: str, args, prompts, batch1_prompt, files,
     b1_ctx = len(batch1_prompt) + args.batch1_new_tokens + 16
     try:
         if engine == "ours":
-            kind, extra = OUR_ARGS[precision]
+            kv_bf16 = precision.endswith(KV_BF16_SUFFIX)
+            kind, extra = OUR_ARGS[precision.removesuffix(KV_BF16_SUFFIX)]
+            extra = [*extra, "--kv-cache-dtype", "bfloat16"] if kv_bf16 else extra
             model = files[kind]
             row["served"] = f"{model.name} {' '.join(extra)}"
             row["step_bytes"] = our_step_bytes(model, extra)
-            row["kv_elem_bytes"] = 2 if precision == "bf16" else 4
+            row["kv_elem_bytes"] = 2 if precision == "bf16" or kv_bf16 else 4
             for batch1, seqs in ((True, 1), (False, args.concurrency)):
                 with OurServer(model, extra, seqs, args.threads, max(ctx_needed, b1_ctx)) as srv:
                     row.update(measure(srv, args, batch1, prompts, batch1_prompt))
@@ -288,6 +293,12 @@ def check_targets(rows: list[dict]) -> list[str]:
         if roof is not None:
             out.append(f"batch-1 {p}: {100 * roof:.0f}% of the roofline (target 85%) — "
                        f"{'met' if roof >= TARGETS['roofline_fraction'] else 'missed'}")
+    for p in PRECISIONS:
+        mine = get("ours", p + KV_BF16_SUFFIX, "decode_tok_s")
+        peer = get("llama.cpp", p, "decode_tok_s")
+        if mine is not None and peer is not None:
+            out.append(f"batch-1 {p}{KV_BF16_SUFFIX} (llama.cpp's KV bytes): ours {mine:.1f} vs llama.cpp {peer:.1f} "
+                       f"tok/s — {'met' if mine >= peer else 'missed'}")
     for p, key in (("int8", "int8_vs_fp32"), ("int4", "int4_vs_fp32")):
         if ours[p] and ours["fp32"]:
             ratio = ours[p] / ours["fp32"]
@@ -318,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrent-prompt-tokens", type=int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))
     p.add_argument("--concurrent-new-tokens", type=int, default=128)
     p.add_argument("--read-mib", type=int, default=2048)
+    p.add_argument("--our-bf16-kv", default=True, action=argparse.BooleanOptionalAction,
+                   help=f"also run ours at fp32 / int8 / int4 with --kv-cache-dtype bfloat16 (rows '...{KV_BF16_SUFFIX}')")
     args = p.parse_args(argv)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     precisions = [x.strip() for x in args.precisions.split(",") if x.strip()]
@@ -342,6 +355,15 @@ def main(argv: list[str] | None = None) -> int:
             b, c = row.get("batch1") or {}, row.get("concurrent") or {}
             log(f"{engine} {precision}: batch-1 {_f(b.get('decode_tok_s'))} tok/s, "
                 f"concurrent {_f(c.get('output_tok_s'))} tok/s")
+            rows.append(row)
+        if args.our_bf16_kv and "ours" in engines and precision != "bf16":
+            variant = precision + KV_BF16_SUFFIX
+            read = read_bandwidth(args.read_mib, args.threads)["gb_s"]
+            reads.append(read)
+            log(f"ours {variant} (streaming read now {read:.1f} GB/s) ...")
+            row = run_config("ours", variant, args, prompts, batch1_prompt, files, hf_dir)
+            row["read_gb_s"] = read
+            add_roofline(row, read, args, kv_values)
             rows.append(row)
     res = {"meta": {"cpu": platform.processor() or _cpu_name(), "threads": args.threads, "runs": args.runs,
                     "batch1_prompt_tokens": args.batch1_prompt_tokens, "batch1_new_tokens": args.batch1_new_tokens,
