@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -154,7 +155,9 @@ class LLMEngine:
         return self.scheduler.has_unfinished() or bool(self._aborted)
 
     # ---- one iteration ----------------------------------------------------------------------------
-    def step(self) -> list[StepOutput]:
+    def step(self, before_forward: Callable[[], None] | None = None) -> list[StepOutput]:
+        """One scheduler iteration. `before_forward` runs once the batch is prepared, right before the forward
+        pass (not at all when nothing is scheduled)."""
         outputs, self._aborted = self._aborted, []
         spec = self.spec
         if spec is not None:
@@ -168,7 +171,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         constrained = self._constrained > 0 and self._start_masks(batch)
         with torch.inference_mode():
-            logits, sample_seqs = self.runner.execute(batch)
+            logits, sample_seqs = self.runner.execute(batch, before_forward)
             if constrained:
                 self.masks.apply(logits)  # waits for the bitmasks filled while the forward ran
             if not sample_seqs:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -105,11 +106,15 @@ class ModelRunner:
                  self.kv_cache.numel() * self.kv_cache.element_size() / (1 << 20))
 
     # ---- one step ---------------------------------------------------------------------------------
-    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor | None, list[Sequence]]:
+    def execute(self, batch: ScheduledBatch, before_forward: Callable[[], None] | None = None,
+                ) -> tuple[torch.Tensor | None, list[Sequence]]:
         """Forward the batch. Returns fp32 logits [S, V] for the sequences that reach their end this step
         (and so sample a token), with those sequences in row order; (None, []) if none do. A sequence verifying
-        draft tokens gets 1 + len(seq.spec_token_ids) consecutive rows."""
+        draft tokens gets 1 + len(seq.spec_token_ids) consecutive rows. `before_forward` runs once the inputs
+        are built, right before the model."""
         input_ids, positions, meta, logits_indices, sample_seqs = self.prepare(batch)
+        if before_forward is not None:
+            before_forward()
         if not sample_seqs:
             # Only partial prefill chunks: the forward still has to fill the KV cache.
             logits_indices = logits_indices[:0]

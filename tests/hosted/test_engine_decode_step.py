@@ -76,8 +76,8 @@ def _run(make_engine, model_dir: str, monkeypatch, native: bool, **kw):
     runner, decode_logits = engine.runner, []
     execute = runner.execute
 
-    def recording(batch):
-        logits, seqs = execute(batch)
+    def recording(batch, *args):
+        logits, seqs = execute(batch, *args)
         if batch.num_decodes == len(batch.items) and logits is not None:
             decode_logits.append(logits.clone())
         return logits, seqs

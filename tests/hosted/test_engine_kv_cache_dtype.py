@@ -17,8 +17,8 @@ def _decode_logits(engine) -> list[torch.Tensor]:
     runner, seen = engine.runner, []
     execute = runner.execute
 
-    def recording(batch):
-        logits, seqs = execute(batch)
+    def recording(batch, *args):
+        logits, seqs = execute(batch, *args)
         if batch.num_decodes == len(batch.items) == len(PROMPTS) and not seen:
             seen.append(logits.clone())
         return logits, seqs

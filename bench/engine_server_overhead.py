@@ -1,0 +1,220 @@
+"""What serving costs a batch-1 decode step: the time between two decode steps outside the native step, in-process
+and through `switchyard engine serve` (plain and streamed), side by side in one run.
+
+    python bench/engine_server_overhead.py                      # int8, writes bench/results/engine_server_overhead.json
+    python bench/engine_server_overhead.py --precision int4 --rounds 3
+
+Wall-clock tok/s on these machines moves by ±20% within minutes with the host's memory bandwidth, which hides a
+0.3 ms cost in a 4 ms step. So this measures, inside each process, every decode step's native call (the layers and
+the head: kernels/cpu_decode.DecodeStep.logits) and the interval from one step's native call to the next's: the
+difference is what the step spends outside the kernels -- scheduling, sampling, Python, and in a server the event
+loop's work on the tokens (it shares the GIL and the two cores with the engine thread). That difference barely
+moves with the bandwidth. Intervals longer than --gap-ms (a prefill, an idle gap between requests) are left out.
+
+Modes, in turn for --rounds rounds:
+  in-process  LLMEngine.step() on the main thread (the model loaded on a thread that exits, as the server does)
+  plain       the server, non-streamed /v1/completions (the engine thread and the event loop, no SSE)
+  streamed    the server, streamed /v1/completions with include_usage (the benchmark client of engine_peers)
+The server runs in a subprocess whose DecodeStep is instrumented by this script (nothing in the product changes).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import peers
+
+MODELS = {"fp32": ("F32", ["--dtype", "float32"]), "bf16": ("F32", ["--dtype", "bfloat16"]),
+          "int8": ("F32", ["--dtype", "float32", "--quantization", "int8"]),
+          "int4": ("Q4_0", ["--dtype", "float32", "--quantization", "int4", "--quantization-group-size", "32"])}
+
+# Run inside the server's process (python -c): time DecodeStep.logits, dump the totals at exit.
+_SERVER_SHIM = r"""
+import atexit, json, os, sys, time
+import kernels.cpu_decode as cd
+gap = float(os.environ["SY_BENCH_GAP_S"])
+totals = {"steps": 0, "native_s": 0.0, "interval_s": 0.0}
+last = [0.0]
+real = cd.DecodeStep.logits
+def timed(self, *args):
+    t0 = time.perf_counter()
+    out = real(self, *args)
+    t1 = time.perf_counter()
+    if last[0] and t0 - last[0] < gap:
+        totals["steps"] += 1; totals["native_s"] += t1 - t0; totals["interval_s"] += t0 - last[0]
+    last[0] = t0
+    return out
+cd.DecodeStep.logits = timed
+atexit.register(lambda: open(os.environ["SY_BENCH_OUT"], "w").write(json.dumps(totals)))
+from gateway.cli import main
+sys.argv = ["switchyard", *sys.argv[1:]]
+sys.exit(main())
+"""
+
+
+def engine_args(model: Path, extra: list[str], port: int, threads: int) -> list[str]:
+    return ["engine", "serve", "--model", str(model), "--served-model-name", "m", "--host", "127.0.0.1",
+            "--port", str(port), "--device", "cpu", "--max-num-seqs", "1", "--max-model-len", "1024",
+            "--threads", str(threads), "--no-prefix-caching", "--log-level", "warning", *extra]
+
+
+def in_process(model: Path, extra: list[str], args, gap_s: float) -> dict:
+    import torch
+
+    from hosted.engine import EngineConfig, LLMEngine
+    from hosted.sampling_params import SamplingParams
+    from kernels import cpu_decode
+
+    torch.set_num_threads(args.threads)
+    opts = dict(zip(extra[::2], extra[1::2]))
+    box: dict = {}
+
+    def load() -> None:
+        box["engine"] = LLMEngine(EngineConfig(
+            model_dir=str(model), dtype=opts["--dtype"], device="cpu", max_num_seqs=1, max_model_len=1024,
+            enable_prefix_caching=False, quantization=opts.get("--quantization"),
+            quantization_group_size=int(opts.get("--quantization-group-size", 128))))
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    loader.join()
+    engine = box["engine"]
+    totals = {"steps": 0, "native_s": 0.0, "interval_s": 0.0}
+    last = [0.0]
+    real = cpu_decode.DecodeStep.logits
+
+    def timed(self, *a):
+        t0 = time.perf_counter()
+        out = real(self, *a)
+        t1 = time.perf_counter()
+        if last[0] and t0 - last[0] < gap_s:
+            totals["steps"] += 1
+            totals["native_s"] += t1 - t0
+            totals["interval_s"] += t0 - last[0]
+        last[0] = t0
+        return out
+
+    cpu_decode.DecodeStep.logits = timed
+    try:
+        prompt = peers.prompt_token_ids(args.prompt_tokens)
+        params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+        for i in range(args.requests + 1):
+            if i == 1:  # the first request warms up
+                totals.update(steps=0, native_s=0.0, interval_s=0.0)
+            engine.generate([prompt], params)
+    finally:
+        cpu_decode.DecodeStep.logits = real
+    return totals
+
+
+def through_server(model: Path, extra: list[str], args, gap_s: float, stream: bool) -> dict:
+    port = peers.free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "totals.json"
+        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "SY_BENCH_OUT": str(out),
+               "SY_BENCH_GAP_S": str(gap_s)}
+        proc = subprocess.Popen([sys.executable, "-c", _SERVER_SHIM, *engine_args(model, extra, port, args.threads)],
+                                env=env, cwd=str(ROOT), stdout=subprocess.DEVNULL)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            _wait_ready(base + "/health", proc, timeout_s=300)
+            prompt = peers.prompt_token_ids(args.prompt_tokens)
+            with httpx.Client(timeout=600) as client:
+                peers._stream_completion(client, base, "m", prompt, 16)  # warm-up, before the counted ones
+                rates = []
+                for _ in range(args.requests):
+                    if stream:
+                        rates.append(peers._stream_completion(client, base, "m", prompt, args.new_tokens)["decode_tok_s"])
+                    else:
+                        body = {"model": "m", "prompt": prompt, "max_tokens": args.new_tokens, "temperature": 0,
+                                "ignore_eos": True}
+                        client.post(base + "/v1/completions", json=body).raise_for_status()
+        finally:
+            proc.terminate()
+            proc.wait(60)
+        totals = json.loads(out.read_text())
+    # the warm-up's steps are in the totals too: 15 steps of 16, negligible beside --requests x --new-tokens
+    if stream:
+        totals["stream_tok_s"] = statistics.median(rates)
+    return totals
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"the server was not ready within {timeout_s:.0f} s")
+
+
+def summary(totals: dict) -> dict:
+    n = max(totals["steps"], 1)
+    return {"steps": totals["steps"], "interval_ms": 1e3 * totals["interval_s"] / n,
+            "native_ms": 1e3 * totals["native_s"] / n,
+            "outside_ms": 1e3 * (totals["interval_s"] - totals["native_s"]) / n,
+            **({"stream_tok_s": totals["stream_tok_s"]} if "stream_tok_s" in totals else {})}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--precision", choices=list(MODELS), default="int8")
+    p.add_argument("--rounds", type=int, default=2, help="each mode this many times, in turn")
+    p.add_argument("--requests", type=int, default=2, help="counted requests per mode and round")
+    p.add_argument("--prompt-tokens", type=int, default=256)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--gap-ms", type=float, default=20.0, help="longer intervals (prefill, idle) are not counted")
+    p.add_argument("--out", default=str(ROOT / "bench/results/engine_server_overhead"), help="path without extension")
+    args = p.parse_args(argv)
+    kind, extra = MODELS[args.precision]
+    model = peers.smollm2_llamacpp_models((kind,))[kind]
+    gap_s = args.gap_ms / 1e3
+    runs: dict[str, list[dict]] = {"in-process": [], "plain": [], "streamed": []}
+    for r in range(args.rounds):
+        runs["in-process"].append(summary(in_process(model, extra, args, gap_s)))
+        runs["plain"].append(summary(through_server(model, extra, args, gap_s, stream=False)))
+        runs["streamed"].append(summary(through_server(model, extra, args, gap_s, stream=True)))
+        print(f"round {r + 1}: " + ", ".join(f"{m} {v[-1]['outside_ms']:.3f} ms outside" for m, v in runs.items()),
+              flush=True)
+    lines = [f"# Outside the native step, batch 1 — SmolLM2-135M {args.precision}, {args.threads} threads", "",
+             (f"{args.prompt_tokens}-token prompt -> {args.new_tokens} tokens, {args.requests} requests x "
+              f"{args.rounds} rounds per mode; median over rounds of each round's mean per decode step"), "",
+             "| mode | step interval ms | native step ms | outside the native step ms | streamed tok/s |",
+             "|---|---:|---:|---:|---:|"]
+    med = {}
+    for mode, rows in runs.items():
+        med[mode] = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "steps"}
+        tok = med[mode].get("stream_tok_s")
+        lines.append(f"| {mode} | {med[mode]['interval_ms']:.3f} | {med[mode]['native_ms']:.3f} | "
+                     f"{med[mode]['outside_ms']:.3f} | {'' if tok is None else f'{tok:.1f}'} |")
+    text = "\n".join(lines) + "\n"
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "rounds": runs, "median": med}, indent=2))
+    out.with_suffix(".md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
