@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -42,23 +41,36 @@ MODELS = {"fp32": ("F32", ["--dtype", "float32"]), "bf16": ("F32", ["--dtype", "
           "int8": ("F32", ["--dtype", "float32", "--quantization", "int8"]),
           "int4": ("Q4_0", ["--dtype", "float32", "--quantization", "int4", "--quantization-group-size", "32"])}
 
-# Run inside the server's process (python -c): time DecodeStep.logits, dump the totals at exit.
+def time_decode_steps(gap_s: float) -> dict:
+    """Time every DecodeStep.logits call in this process from now on: for each interval from one call's start to
+    the next's under gap_s (prefills and idle gaps are longer), the interval and the first call's duration."""
+    from kernels import cpu_decode
+
+    totals = {"steps": 0, "native_s": 0.0, "interval_s": 0.0}
+    last = [0.0, 0.0]  # the previous call's start and duration
+    real = cpu_decode.DecodeStep.logits
+
+    def timed(self, *args):
+        t0 = time.perf_counter()
+        out = real(self, *args)
+        t1 = time.perf_counter()
+        if last[0] and t0 - last[0] < gap_s:  # the interval is the previous call plus what followed it
+            totals["steps"] += 1
+            totals["native_s"] += last[1]
+            totals["interval_s"] += t0 - last[0]
+        last[:] = [t0, t1 - t0]
+        return out
+
+    cpu_decode.DecodeStep.logits = timed
+    return totals
+
+
+# The server's process (python -c): the same hook, its totals written out when the server exits.
 _SERVER_SHIM = r"""
-import atexit, json, os, sys, time
-import kernels.cpu_decode as cd
-gap = float(os.environ["SY_BENCH_GAP_S"])
-totals = {"steps": 0, "native_s": 0.0, "interval_s": 0.0}
-last = [0.0]
-real = cd.DecodeStep.logits
-def timed(self, *args):
-    t0 = time.perf_counter()
-    out = real(self, *args)
-    t1 = time.perf_counter()
-    if last[0] and t0 - last[0] < gap:
-        totals["steps"] += 1; totals["native_s"] += t1 - t0; totals["interval_s"] += t0 - last[0]
-    last[0] = t0
-    return out
-cd.DecodeStep.logits = timed
+import atexit, json, os, sys
+sys.path.insert(0, os.environ["SY_BENCH_DIR"])
+from engine_server_overhead import time_decode_steps
+totals = time_decode_steps(float(os.environ["SY_BENCH_GAP_S"]))
 atexit.register(lambda: open(os.environ["SY_BENCH_OUT"], "w").write(json.dumps(totals)))
 from gateway.cli import main
 sys.argv = ["switchyard", *sys.argv[1:]]
@@ -72,6 +84,19 @@ def engine_args(model: Path, extra: list[str], port: int, threads: int) -> list[
             "--threads", str(threads), "--no-prefix-caching", "--log-level", "warning", *extra]
 
 
+class TimedServer(peers._Server):
+    """`switchyard engine serve` with its decode steps timed (_SERVER_SHIM)."""
+
+    name = "switchyard-timed"
+
+    def __init__(self, model: Path, extra: list[str], threads: int, gap_s: float, out: Path) -> None:
+        super().__init__()
+        self.model = "m"
+        self.cmd = [sys.executable, "-c", _SERVER_SHIM, *engine_args(model, extra, self.port, threads)]
+        self.env = {**os.environ, "OMP_NUM_THREADS": str(threads), "SY_BENCH_OUT": str(out),
+                    "SY_BENCH_GAP_S": str(gap_s), "SY_BENCH_DIR": str(ROOT / "bench")}
+
+
 def in_process(model: Path, extra: list[str], args, gap_s: float) -> dict:
     import torch
 
@@ -83,7 +108,7 @@ def in_process(model: Path, extra: list[str], args, gap_s: float) -> dict:
     opts = dict(zip(extra[::2], extra[1::2]))
     box: dict = {}
 
-    def load() -> None:
+    def load() -> None:  # on a thread that then exits, as the server loads
         box["engine"] = LLMEngine(EngineConfig(
             model_dir=str(model), dtype=opts["--dtype"], device="cpu", max_num_seqs=1, max_model_len=1024,
             enable_prefix_caching=False, quantization=opts.get("--quantization"),
@@ -93,22 +118,8 @@ def in_process(model: Path, extra: list[str], args, gap_s: float) -> dict:
     loader.start()
     loader.join()
     engine = box["engine"]
-    totals = {"steps": 0, "native_s": 0.0, "interval_s": 0.0}
-    last = [0.0]
     real = cpu_decode.DecodeStep.logits
-
-    def timed(self, *a):
-        t0 = time.perf_counter()
-        out = real(self, *a)
-        t1 = time.perf_counter()
-        if last[0] and t0 - last[0] < gap_s:
-            totals["steps"] += 1
-            totals["native_s"] += t1 - t0
-            totals["interval_s"] += t0 - last[0]
-        last[0] = t0
-        return out
-
-    cpu_decode.DecodeStep.logits = timed
+    totals = time_decode_steps(gap_s)
     try:
         prompt = peers.prompt_token_ids(args.prompt_tokens)
         params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
@@ -122,49 +133,24 @@ def in_process(model: Path, extra: list[str], args, gap_s: float) -> dict:
 
 
 def through_server(model: Path, extra: list[str], args, gap_s: float, stream: bool) -> dict:
-    port = peers.free_port()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "totals.json"
-        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "SY_BENCH_OUT": str(out),
-               "SY_BENCH_GAP_S": str(gap_s)}
-        proc = subprocess.Popen([sys.executable, "-c", _SERVER_SHIM, *engine_args(model, extra, port, args.threads)],
-                                env=env, cwd=str(ROOT), stdout=subprocess.DEVNULL)
-        base = f"http://127.0.0.1:{port}"
-        try:
-            _wait_ready(base + "/health", proc, timeout_s=300)
+        with TimedServer(model, extra, args.threads, gap_s, out) as srv, httpx.Client(timeout=600) as client:
             prompt = peers.prompt_token_ids(args.prompt_tokens)
-            with httpx.Client(timeout=600) as client:
-                peers._stream_completion(client, base, "m", prompt, 16)  # warm-up, before the counted ones
-                rates = []
-                for _ in range(args.requests):
-                    if stream:
-                        rates.append(peers._stream_completion(client, base, "m", prompt, args.new_tokens)["decode_tok_s"])
-                    else:
-                        body = {"model": "m", "prompt": prompt, "max_tokens": args.new_tokens, "temperature": 0,
-                                "ignore_eos": True}
-                        client.post(base + "/v1/completions", json=body).raise_for_status()
-        finally:
-            proc.terminate()
-            proc.wait(60)
-        totals = json.loads(out.read_text())
-    # the warm-up's steps are in the totals too: 15 steps of 16, negligible beside --requests x --new-tokens
+            peers._stream_completion(client, srv.base_url, "m", prompt, 16)  # warm-up (15 steps: negligible)
+            rates = []
+            for _ in range(args.requests):
+                if stream:
+                    rates.append(peers._stream_completion(client, srv.base_url, "m", prompt,
+                                                          args.new_tokens)["decode_tok_s"])
+                else:
+                    body = {"model": "m", "prompt": prompt, "max_tokens": args.new_tokens, "temperature": 0,
+                            "ignore_eos": True}
+                    client.post(srv.base_url + "/v1/completions", json=body).raise_for_status()
+        totals = json.loads(out.read_text())  # written as the server exited
     if stream:
         totals["stream_tok_s"] = statistics.median(rates)
     return totals
-
-
-def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"the server was not ready within {timeout_s:.0f} s")
 
 
 def summary(totals: dict) -> dict:
