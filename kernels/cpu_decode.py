@@ -6,8 +6,9 @@ int4 / bf16 strips), the norms and each layer's KV cache, and returns a `DecodeS
 step cannot take the model (no native library, a projection left unpacked, a shape the kernels do not
 take): the caller then keeps its per-op loop. Given the final norm and the packed vocabulary head too, the
 step can also end in logits (`DecodeStep.logits`), the head run in the same native region; a head the
-kernels cannot take leaves `has_head` False and the caller projects as before. The step holds raw pointers to those tensors and references
-to them (so they outlive it); they must not be replaced afterwards, as for the packed layers themselves.
+kernels cannot take leaves `has_head` False and the caller projects as before. The step holds raw pointers
+to those tensors and references to them (so they outlive it); they must not be replaced afterwards, as for
+the packed layers themselves.
 """
 from __future__ import annotations
 
