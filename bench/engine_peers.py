@@ -346,27 +346,23 @@ def main(argv: list[str] | None = None) -> int:
     batch1_prompt = peers.prompt_token_ids(args.batch1_prompt_tokens)
     prompts = concurrent_prompts(args)
     rows = []
+
+    def measured_row(engine: str, precision: str) -> dict:
+        read = read_bandwidth(args.read_mib, args.threads)["gb_s"]
+        reads.append(read)
+        log(f"{engine} {precision} (streaming read now {read:.1f} GB/s) ...")
+        row = run_config(engine, precision, args, prompts, batch1_prompt, files, hf_dir)
+        row["read_gb_s"] = read
+        add_roofline(row, read, args, kv_values)
+        b, c = row.get("batch1") or {}, row.get("concurrent") or {}
+        log(f"{engine} {precision}: batch-1 {_f(b.get('decode_tok_s'))} tok/s, "
+            f"concurrent {_f(c.get('output_tok_s'))} tok/s")
+        return row
+
     for precision in precisions:
-        for engine in engines:
-            read = read_bandwidth(args.read_mib, args.threads)["gb_s"]
-            reads.append(read)
-            log(f"{engine} {precision} (streaming read now {read:.1f} GB/s) ...")
-            row = run_config(engine, precision, args, prompts, batch1_prompt, files, hf_dir)
-            row["read_gb_s"] = read
-            add_roofline(row, read, args, kv_values)
-            b, c = row.get("batch1") or {}, row.get("concurrent") or {}
-            log(f"{engine} {precision}: batch-1 {_f(b.get('decode_tok_s'))} tok/s, "
-                f"concurrent {_f(c.get('output_tok_s'))} tok/s")
-            rows.append(row)
+        rows += [measured_row(engine, precision) for engine in engines]
         if args.our_bf16_kv and "ours" in engines and precision != "bf16":
-            variant = precision + KV_BF16_SUFFIX
-            read = read_bandwidth(args.read_mib, args.threads)["gb_s"]
-            reads.append(read)
-            log(f"ours {variant} (streaming read now {read:.1f} GB/s) ...")
-            row = run_config("ours", variant, args, prompts, batch1_prompt, files, hf_dir)
-            row["read_gb_s"] = read
-            add_roofline(row, read, args, kv_values)
-            rows.append(row)
+            rows.append(measured_row("ours", precision + KV_BF16_SUFFIX))
     res = {"meta": {"cpu": platform.processor() or _cpu_name(), "threads": args.threads, "runs": args.runs,
                     "batch1_prompt_tokens": args.batch1_prompt_tokens, "batch1_new_tokens": args.batch1_new_tokens,
                     "concurrency": args.concurrency, "concurrent_requests": args.concurrent_requests,

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hosted.config import KV_CACHE_DTYPES
 from hosted.models import DEMO_MODEL_DIR, SMOLLM2_MODEL, is_gguf, resolve_model_path
 
 if TYPE_CHECKING:
@@ -64,7 +65,7 @@ def _add_serve(esub: argparse._SubParsersAction) -> None:
     p.add_argument("--quantize-head", default=None, action=argparse.BooleanOptionalAction,
                    help="read the lm_head as int8 on CPU (default: when --quantization is given or the checkpoint "
                         "is quantized)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="KV cache element type (default auto: --dtype); bfloat16 beside float32 or int8/int4 weights "
                         "halves the cache bytes each decode step reads and doubles the tokens the pool holds (CPU)")
     p.add_argument("--speculative", default=None, choices=["ngram", "draft"],

@@ -69,8 +69,7 @@ class ModelRunner:
     @property
     def bytes_per_block(self) -> int:
         c = self.model_config
-        elem = torch.empty(0, dtype=self.kv_dtype).element_size()
-        return 2 * c.num_hidden_layers * self.block_size * c.num_key_value_heads * c.head_dim * elem
+        return 2 * c.num_hidden_layers * self.block_size * c.num_key_value_heads * c.head_dim * self.kv_dtype.itemsize
 
     def _pool_blocks(self, max_model_len: int) -> int:
         cfg = self.config

@@ -19,6 +19,7 @@ from hosted.tool_calls import ToolCallParser
 from openai_wire import SSE_DONE, sse_event
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf; OpenAI clamps the same way
+_TEXT_SLOT = "\x00"  # where a text delta's template takes the text (ChunkWriter.text_chunk)
 
 
 def dumps(obj: Any) -> bytes:
@@ -107,15 +108,17 @@ class ChunkWriter:
         once per choice (by chunk() itself, around a placeholder) and the text alone is encoded per token."""
         around = self._text_templates.get(index)
         if around is None:
-            placeholder = "\x00"  # JSON escapes it, so the rendered chunk holds it exactly once
-            if self.plan.kind == "chat":
-                choice = {"index": index, "delta": {"content": placeholder}, "logprobs": None, "finish_reason": None}
-            else:
-                choice = {"index": index, "text": placeholder, "logprobs": None, "finish_reason": None}
-            # (the last occurrence: the choice follows the id and model names, which could hold one too)
-            before, _, after = self.chunk([choice]).rpartition(encode_basestring(placeholder).encode())
+            # NUL stands for the text: JSON escapes it, and the last occurrence is the choice's (the id and model
+            # name before it could hold one too)
+            slot = encode_basestring(_TEXT_SLOT).encode()
+            before, _, after = self.chunk([self._text_choice(index, _TEXT_SLOT, None)]).rpartition(slot)
             around = self._text_templates[index] = (before, after)
         return around[0] + encode_basestring(text).encode() + around[1]
+
+    def _text_choice(self, index: int, text: str, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+        if self.plan.kind == "chat":
+            return {"index": index, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": None}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}
 
     def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
         body: dict[str, Any] = {"id": self.plan.request_id, "object": self.object, "created": self.created,
@@ -165,16 +168,12 @@ class ChunkWriter:
         c = ev.choice
         if ev.text and not self.plan.logprobs:
             out.append(self.text_chunk(c.index, ev.text))
-        elif ev.text or ev.logprobs:
+        elif ev.text or ev.logprobs:  # (logprobs are only there when the request asked for them)
             if self.plan.kind == "chat":
-                lp = chat_logprobs(self.state, ev.logprobs) if self.plan.logprobs else None
-                out.append(self.chunk([{"index": c.index, "delta": {"content": ev.text}, "logprobs": lp,
-                                        "finish_reason": None}]))
+                lp = chat_logprobs(self.state, ev.logprobs)
             else:
-                lp = None
-                if self.plan.logprobs:
-                    lp, self.offsets[c.index] = completion_logprobs(self.state, ev.logprobs, self.offsets[c.index])
-                out.append(self.chunk([{"index": c.index, "text": ev.text, "logprobs": lp, "finish_reason": None}]))
+                lp, self.offsets[c.index] = completion_logprobs(self.state, ev.logprobs, self.offsets[c.index])
+            out.append(self.chunk([self._text_choice(c.index, ev.text, lp)]))
         if ev.finish_reason is not None:
             extra = {"switchyard": self.gen.extension()} if last and not self.plan.include_usage else {}
             if self.plan.kind == "chat":
