@@ -10,9 +10,10 @@ ignore_eos, lengths checked from the usage block):
     Beside it the read-bandwidth roofline: a streaming read of a buffer well above the last-level cache
     (torch.sum over --read-mib MiB on --threads threads, best of 5) divided by the bytes one decode step
     must read at that precision (weights as stored for the GEMMs, head included, + the KV of the positions
-    attended at mid-generation) -- the tok/s no engine can beat on this machine. The read is measured again
-    just before each configuration (this machine's read rate moves between ~40 and ~75 GB/s within an
-    hour), and the configurations run precision by precision, every engine in turn, so the figures compared
+    attended at mid-generation) -- the tok/s no engine can beat on this machine. This machine's read rate moves
+    between ~30 and ~78 GB/s within minutes, so it is measured right before and right after each batch-1
+    measurement (the server loaded and idle) and the roofline takes the mean of the two ("read GB/s": both are
+    in the JSON); the configurations run precision by precision, every engine in turn, so the figures compared
     with each other were taken minutes apart.
   * 64 concurrent: --concurrent-requests requests, --concurrency in flight, prompts spread evenly over
     --concurrent-prompt-tokens (32-512), --concurrent-new-tokens (128) each; output tok/s = all completion
@@ -169,10 +170,14 @@ def concurrent_prompts(args) -> list[list[int]]:
 def measure(server, args, batch1: bool, prompts: list[list[int]], batch1_prompt: list[int]) -> dict:
     out: dict = {"startup_s": server.startup_s}
     if batch1:
+        # the read rate drifts by minutes: taken right before and right after the decode runs (the server idle)
+        before = read_bandwidth(args.read_mib, args.threads)["gb_s"]
         d = peers.decode_tok_s(server.base_url, server.model, batch1_prompt, args.batch1_new_tokens, runs=args.runs,
                                extras=server.request_extras)
+        after = read_bandwidth(args.read_mib, args.threads)["gb_s"]
         out["batch1"] = {"decode_tok_s": d["decode_tok_s"], "ttft_p50_s": d["ttft_s"], "lengths_ok": d["lengths_ok"],
-                         "runs_tok_s": [r["decode_tok_s"] for r in d["runs"]], "text": d["runs"][0]["text"]}
+                         "runs_tok_s": [r["decode_tok_s"] for r in d["runs"]], "text": d["runs"][0]["text"],
+                         "read_gb_s_around": [before, after]}
     else:
         peers.decode_tok_s(server.base_url, server.model, prompts[0][:32], 8, runs=1, extras=server.request_extras)
         runs = [peers.concurrent_tok_s(server.base_url, server.model, prompts, args.concurrent_new_tokens,
@@ -229,9 +234,12 @@ def run_config(engine: str, precision: str, args, prompts, batch1_prompt, files,
     return row
 
 
-def add_roofline(row: dict, bandwidth: float, args, kv_values: int) -> None:
-    if "step_bytes" not in row:
+def add_roofline(row: dict, args, kv_values: int) -> None:
+    """The batch-1 roofline from the read rate around the batch-1 runs (their mean: row["read_gb_s"])."""
+    around = (row.get("batch1") or {}).get("read_gb_s_around")
+    if "step_bytes" not in row or not around:
         return
+    bandwidth = row["read_gb_s"] = statistics.mean(around)
     mid_length = args.batch1_prompt_tokens + args.batch1_new_tokens // 2
     row["kv_bytes_mid"] = kv_values * row["kv_elem_bytes"] * mid_length
     row["roofline_tok_s"] = bandwidth * 1e9 / (row["step_bytes"] + row["kv_bytes_mid"])
@@ -257,7 +265,8 @@ def table(res: dict) -> str:
              f"{meta['concurrent_prompt_tokens'][0]}-{meta['concurrent_prompt_tokens'][1]} tokens, "
              f"{meta['concurrent_new_tokens']} output tokens each, {meta['runs']} run(s); streaming read "
              f"({meta['read_bandwidth']['buffer_bytes'] >> 20} MiB, {meta['read_bandwidth']['threads']} threads) "
-             f"measured before each row, {_read_range(meta)} GB/s over the run; run took {meta['seconds']:.0f} s"), "",
+             f"measured right before and after each batch-1 measurement (read GB/s: their mean), "
+             f"{_read_range(meta)} GB/s over the run; run took {meta['seconds']:.0f} s"), "",
              ("| engine | precision | served | 64 concurrent, output tok/s (min–max) | batch-1 decode tok/s | "
              "TTFT p50 ms | bytes/step MB | read GB/s | roofline tok/s | % of roofline |"),
              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -348,12 +357,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
 
     def measured_row(engine: str, precision: str) -> dict:
-        read = read_bandwidth(args.read_mib, args.threads)["gb_s"]
-        reads.append(read)
-        log(f"{engine} {precision} (streaming read now {read:.1f} GB/s) ...")
+        log(f"{engine} {precision} ...")
         row = run_config(engine, precision, args, prompts, batch1_prompt, files, hf_dir)
-        row["read_gb_s"] = read
-        add_roofline(row, read, args, kv_values)
+        add_roofline(row, args, kv_values)
+        reads.extend((row.get("batch1") or {}).get("read_gb_s_around", []))
         b, c = row.get("batch1") or {}, row.get("concurrent") or {}
         log(f"{engine} {precision}: batch-1 {_f(b.get('decode_tok_s'))} tok/s, "
             f"concurrent {_f(c.get('output_tok_s'))} tok/s")

@@ -64,23 +64,41 @@ static inline v16 transpose_sum16(const v16 *a) {
  * x = n ln2 + r with |r| <= ln2/2 (n rounded to nearest with the 1.5 * 2^23 trick), exp(r) by its
  * degree-7 Taylor polynomial (truncation < 1e-8 relative), times 2^n built in the exponent bits.
  * x < -87 (beyond fp32's normal range) gives 0. */
+#define EXP_NONPOS_BODY(VF, VI)                                                                                  \
+    const VI under = x < -87.0f;                                                                                 \
+    x = (VF)((under & (VI)((VF){0} - 87.0f)) | (~under & (VI)x));                                               \
+    const VF magic = (VF){0} + 12582912.0f;                                                                      \
+    const VF n = (x * 1.44269504088896341f + magic) - magic;                                                     \
+    VF r = x - n * 0.693145751953125f;                                                                           \
+    r = r - n * 1.42860682030941723212e-6f;                                                                      \
+    VF p = r * (1.0f / 5040.0f) + 1.0f / 720.0f;                                                                 \
+    p = p * r + 1.0f / 120.0f;                                                                                   \
+    p = p * r + 1.0f / 24.0f;                                                                                    \
+    p = p * r + 1.0f / 6.0f;                                                                                     \
+    p = p * r + 0.5f;                                                                                            \
+    p = p * r + 1.0f;                                                                                            \
+    p = p * r + 1.0f;                                                                                            \
+    const VI two_n = (__builtin_convertvector(n, VI) + 127) << 23;                                               \
+    return (VF)(~under & (VI)(p * (VF)two_n))
+
+#ifdef __AVX512F__
+static inline v16 exp_nonpos16(v16 x) { EXP_NONPOS_BODY(v16, i16); }
+#else
+/* Without AVX-512 the 16-lane compare above is lowered lane by lane (a scalar compare and cmov each: the
+ * softmax was ~15% of decode attention's time on Zen 3); two 8-lane halves use AVX2's vector compare. */
+typedef float v8f __attribute__((vector_size(32), aligned(4)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+static inline v8f exp_nonpos8(v8f x) { EXP_NONPOS_BODY(v8f, v8i); }
 static inline v16 exp_nonpos16(v16 x) {
-    const i16 under = x < -87.0f;
-    x = (v16)((under & (i16)((v16){0} - 87.0f)) | (~under & (i16)x));
-    const v16 magic = (v16){0} + 12582912.0f;
-    const v16 n = (x * 1.44269504088896341f + magic) - magic;
-    v16 r = x - n * 0.693145751953125f;
-    r = r - n * 1.42860682030941723212e-6f;
-    v16 p = r * (1.0f / 5040.0f) + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    const i16 two_n = (__builtin_convertvector(n, i16) + 127) << 23;
-    return (v16)(~under & (i16)(p * (v16)two_n));
+    v8f half[2];
+    memcpy(half, &x, sizeof(x));
+    half[0] = exp_nonpos8(half[0]);
+    half[1] = exp_nonpos8(half[1]);
+    memcpy(&x, half, sizeof(x));
+    return x;
 }
+#endif
+#undef EXP_NONPOS_BODY
 
 /* A block's rows [block_size, Hkv, D] as fp32: the cache itself for fp32, else converted into buf. */
 static inline const float *block_rows(const void *cache, int is_bf16, int64_t blk, int64_t sb, int64_t so,
@@ -675,11 +693,49 @@ static inline __attribute__((always_inline)) void panel_tile(const float *x, int
 #else
 /* Without AVX-512 (16 256-bit registers): 8 x 48 accumulators would spill every k (measured ~4 GFLOP/s on Zen 3
  * against oneDNN's ~85), so the tile runs as passes of 4 rows x 24 columns (12 accumulators, 3 weight vectors,
- * one broadcast) over the panel, which stays in L1/L2 between passes. Each output is still one k-ordered sum. */
+ * one broadcast) over the panel, which stays in L1/L2 between passes. Each output is still one k-ordered sum.
+ * One or two rows (decode) take the panel's 48 columns in one pass instead (6 accumulators a row): the weights
+ * stream from DRAM once, and twice the independent FMA chains hide their latency -- the batch-1 GEMV read 20 GB/s
+ * against 10 in two passes on Zen 3, where a plain streaming read got 14-20 (measured side by side). */
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
+static inline __attribute__((always_inline)) void panel_tile_narrow(const float *x, int64_t xs, const float *panel,
+                                                                    int64_t K, int mr, float *y, int64_t ys,
+                                                                    int ncols, const float *bias, const char *pf,
+                                                                    int64_t pf_lines) {
+    const int64_t per_k = (pf_lines + K - 1) / (K > 0 ? K : 1);
+    v8 a[2][6];
+    for (int i = 0; i < 2; i++)
+        for (int c = 0; c < 6; c++) a[i][c] = (v8){0};
+    for (int64_t k = 0; k < K; k++) {
+        const float *wk = panel + k * PANEL_N;
+        for (int64_t l = 0; l < per_k && pf_lines > 0; l++, pf_lines--, pf += 64) __builtin_prefetch(pf, 0, 2);
+        for (int i = 0; i < mr; i++) {
+            const float xv = x[i * xs + k];
+            for (int c = 0; c < 6; c++) a[i][c] += xv * *(const v8 *)(wk + 8 * c);
+        }
+    }
+    for (int i = 0; i < mr; i++) {
+        float row[PANEL_N];
+        for (int c = 0; c < 6; c++) *(v8 *)(row + 8 * c) = a[i][c];
+        float *yr = y + i * ys;
+        if (bias)
+            for (int j = 0; j < ncols; j++) yr[j] = row[j] + bias[j];
+        else
+            memcpy(yr, row, sizeof(float) * ncols);
+    }
+}
+
 static inline __attribute__((always_inline)) void panel_tile(const float *x, int64_t xs, const float *panel,
                                                              int64_t K, int mr, float *y, int64_t ys, int ncols,
                                                              const float *bias, const char *pf, int64_t pf_lines) {
+    if (mr == 1) {
+        panel_tile_narrow(x, xs, panel, K, 1, y, ys, ncols, bias, pf, pf_lines);
+        return;
+    }
+    if (mr == 2) {
+        panel_tile_narrow(x, xs, panel, K, 2, y, ys, ncols, bias, pf, pf_lines);
+        return;
+    }
     const int64_t per_k = (pf_lines + K - 1) / (K > 0 ? K : 1);
     for (int i0 = 0; i0 < mr; i0 += 4)
         for (int half = 0; half < 2; half++) {

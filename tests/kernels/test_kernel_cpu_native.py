@@ -236,7 +236,7 @@ def test_panel_gemm_matches_float64(n, k, with_bias):
     packed = cpu_native.pack_linear(w, b)
     assert packed is not None and packed.panels is not None  # the native path, not oneDNN
     assert packed.extra_bytes == -(-n // cpu_native.PANEL_N) * cpu_native.PANEL_N * k * 4
-    for rows in (1, 7, 8, 9, 64, 131, 1103):  # partial and whole 8-row tiles; 1103: threads split the rows
+    for rows in (1, 2, 7, 8, 9, 10, 64, 131, 1103):  # partial and whole 8-row tiles (1, 2: one pass); 1103: split rows
         x = torch.randn(rows, k, generator=gen)
         want = x.double() @ w.double().t() + (b.double() if b is not None else 0)
         got = packed(x)
