@@ -772,6 +772,17 @@ static inline __attribute__((always_inline)) void panel_tile(const float *x, int
 }
 #endif
 
+/* The vector width the panel GEMM was built for: 512 (AVX-512 tile), 256 (the AVX2 passes) or 0 (generic). */
+int sy_panel_vector_bits(void) {
+#if defined(__AVX512F__)
+    return 512;
+#elif defined(__AVX2__) && defined(__FMA__)
+    return 256;
+#else
+    return 0;
+#endif
+}
+
 /* y [M, N] (row stride ys) = x [M, K] (row stride xs, unit column stride) @ W^T (+ bias), W given as panels
  * from sy_pack_panels_f32. fp32. Threads split the panels (decode: each weight byte is read by one core), or
  * the rows when there are many (prefill: both cores then read the same panels from the shared cache while

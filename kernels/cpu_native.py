@@ -172,6 +172,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sy_pack_panels_f32.restype = None
     lib.sy_gemm_panels_f32.argtypes = [p, i64, p, p, p, i64, i32, i64, i64, i32]
     lib.sy_gemm_panels_f32.restype = None
+    lib.sy_panel_vector_bits.argtypes = []
+    lib.sy_panel_vector_bits.restype = i32
     lib.sy_lowp_features.argtypes = []
     lib.sy_lowp_features.restype = i32
     lib.sy_linear_q8.argtypes = [p, i64, i32, i32, p, p, p, p, p, i64, i64, i32]
@@ -339,6 +341,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 PANEL_N = 48  # output features per panel of sy_pack_panels_f32 (as in cpu_native.c)
+# Where the panel GEMM is the AVX2 build (16 registers: passes of 4 rows x 24 columns over each panel), torch's
+# own GEMM (oneDNN / MKL, with a row-major weight) ran 1.19-1.41x faster from 256 rows up on the SmolLM2 layer
+# shapes (Zen 3, paired: prefill is ~75% GEMM there), while below ~128 rows the panels won (1.2x at 64). The
+# AVX-512 tile keeps every row count.
+AVX2_TORCH_MIN_ROWS = 256
 
 
 class PackedLinear:
@@ -347,7 +354,7 @@ class PackedLinear:
     every call), with the checks done up front so the per-call path is short. Holds references to weight
     and bias: it stays valid while their storage does (do not replace them in place after packing)."""
 
-    __slots__ = ("_b", "_gemm", "_p", "bias", "k", "n", "onednn", "panels", "weight")
+    __slots__ = ("_b", "_gemm", "_p", "_torch_rows", "bias", "k", "n", "onednn", "panels", "weight")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lib: ctypes.CDLL | None) -> None:
         self.weight, self.bias = weight, bias
@@ -363,6 +370,8 @@ class PackedLinear:
         # within noise of each other), above it they are faster.
         self._gemm = lib.sy_gemm_panels_f32 if lib is not None else None
         self._p = self.panels.data_ptr() if self.panels is not None else None
+        # rows from which torch's GEMM on the row-major weight takes over (None: never)
+        self._torch_rows = AVX2_TORCH_MIN_ROWS if lib is not None and lib.sy_panel_vector_bits() == 256 else None
         self._b = bias.data_ptr() if bias is not None else None
 
     @property
@@ -384,7 +393,7 @@ class PackedLinear:
         if x.dtype == _F32 and x.dim() == 2 and not x.requires_grad:
             rows, k = x.shape
             if k == self.k and rows > 0:
-                if self._gemm is not None:
+                if self._gemm is not None and (self._torch_rows is None or rows < self._torch_rows):
                     if x.stride(1) != 1:
                         x = x.contiguous()
                     y = torch.empty(rows, self.n, dtype=_F32)

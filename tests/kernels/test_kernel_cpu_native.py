@@ -244,6 +244,24 @@ def test_panel_gemm_matches_float64(n, k, with_bias):
         torch.testing.assert_close(got.double(), want, atol=1e-4 * max(1.0, k ** 0.5), rtol=1e-5)
 
 
+def test_wide_inputs_take_torchs_gemm_where_the_panels_are_the_avx2_build():
+    w, b = torch.randn(100, 64), torch.randn(100)
+    packed = cpu_native.pack_linear(w, b)
+    avx2 = cpu_native.library().sy_panel_vector_bits() == 256
+    assert packed._torch_rows == (cpu_native.AVX2_TORCH_MIN_ROWS if avx2 else None)
+    wide = torch.randn(cpu_native.AVX2_TORCH_MIN_ROWS, 64)
+    narrow = wide[:cpu_native.AVX2_TORCH_MIN_ROWS - 1]
+    torch.testing.assert_close(packed(wide), F.linear(wide, w, b), atol=1e-4, rtol=1e-5)
+    if avx2:
+        assert torch.equal(packed(wide), F.linear(wide, w, b))  # torch's own GEMM, not the panels
+    # rows below the threshold: the panels, every build
+    panels = torch.empty(narrow.shape[0], 100)
+    cpu_native.library().sy_gemm_panels_f32(narrow.data_ptr(), narrow.stride(0), packed.panels.data_ptr(),
+                                            b.data_ptr(), panels.data_ptr(), 100, narrow.shape[0], 100, 64,
+                                            torch.get_num_threads())
+    assert torch.equal(packed(narrow), panels)
+
+
 def test_panel_gemm_strided_inputs_and_threads():
     w = torch.randn(200, 96)
     packed = cpu_native.pack_linear(w)
