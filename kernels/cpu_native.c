@@ -729,12 +729,11 @@ static inline __attribute__((always_inline)) void panel_tile_narrow(const float 
 static inline __attribute__((always_inline)) void panel_tile(const float *x, int64_t xs, const float *panel,
                                                              int64_t K, int mr, float *y, int64_t ys, int ncols,
                                                              const float *bias, const char *pf, int64_t pf_lines) {
-    if (mr == 1) {
-        panel_tile_narrow(x, xs, panel, K, 1, y, ys, ncols, bias, pf, pf_lines);
-        return;
-    }
-    if (mr == 2) {
-        panel_tile_narrow(x, xs, panel, K, 2, y, ys, ncols, bias, pf, pf_lines);
+    if (mr <= 2) { /* a literal row count each, so the unused accumulators vanish */
+        if (mr == 1)
+            panel_tile_narrow(x, xs, panel, K, 1, y, ys, ncols, bias, pf, pf_lines);
+        else
+            panel_tile_narrow(x, xs, panel, K, 2, y, ys, ncols, bias, pf, pf_lines);
         return;
     }
     const int64_t per_k = (pf_lines + K - 1) / (K > 0 ? K : 1);

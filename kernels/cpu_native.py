@@ -24,6 +24,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -354,7 +355,7 @@ class PackedLinear:
     every call), with the checks done up front so the per-call path is short. Holds references to weight
     and bias: it stays valid while their storage does (do not replace them in place after packing)."""
 
-    __slots__ = ("_b", "_gemm", "_p", "_torch_rows", "bias", "k", "n", "onednn", "panels", "weight")
+    __slots__ = ("_b", "_gemm", "_p", "_panel_rows_below", "bias", "k", "n", "onednn", "panels", "weight")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lib: ctypes.CDLL | None) -> None:
         self.weight, self.bias = weight, bias
@@ -370,8 +371,9 @@ class PackedLinear:
         # within noise of each other), above it they are faster.
         self._gemm = lib.sy_gemm_panels_f32 if lib is not None else None
         self._p = self.panels.data_ptr() if self.panels is not None else None
-        # rows from which torch's GEMM on the row-major weight takes over (None: never)
-        self._torch_rows = AVX2_TORCH_MIN_ROWS if lib is not None and lib.sy_panel_vector_bits() == 256 else None
+        # the panels take inputs of fewer rows than this; torch's GEMM on the row-major weight the rest
+        self._panel_rows_below = (AVX2_TORCH_MIN_ROWS if lib is not None and lib.sy_panel_vector_bits() == 256
+                                  else sys.maxsize)
         self._b = bias.data_ptr() if bias is not None else None
 
     @property
@@ -393,16 +395,21 @@ class PackedLinear:
         if x.dtype == _F32 and x.dim() == 2 and not x.requires_grad:
             rows, k = x.shape
             if k == self.k and rows > 0:
-                if self._gemm is not None and (self._torch_rows is None or rows < self._torch_rows):
-                    if x.stride(1) != 1:
-                        x = x.contiguous()
-                    y = torch.empty(rows, self.n, dtype=_F32)
-                    self._gemm(x.data_ptr(), x.stride(0), self._p, self._b, y.data_ptr(), self.n, rows, self.n, k,
-                               torch.get_num_threads())
-                    return y
+                if self._gemm is not None and rows < self._panel_rows_below:
+                    return self.panel_gemm(x)
                 if self.onednn is not None:
                     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.onednn, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+    def panel_gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, k] fp32 @ W^T (+ bias) on the panels, whatever the row count (needs the native library)."""
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        rows = x.shape[0]
+        y = torch.empty(rows, self.n, dtype=_F32)
+        self._gemm(x.data_ptr(), x.stride(0), self._p, self._b, y.data_ptr(), self.n, rows, self.n, self.k,
+                   torch.get_num_threads())
+        return y
 
 
 def _onednn_weight(weight: torch.Tensor) -> torch.Tensor | None:

@@ -239,7 +239,7 @@ def test_panel_gemm_matches_float64(n, k, with_bias):
     for rows in (1, 2, 7, 8, 9, 10, 64, 131, 1103):  # partial and whole 8-row tiles (1, 2: one pass); 1103: split rows
         x = torch.randn(rows, k, generator=gen)
         want = x.double() @ w.double().t() + (b.double() if b is not None else 0)
-        got = packed(x)
+        got = packed.panel_gemm(x)  # the panels at every row count (an AVX2 build's packed(x) hands wide x to torch)
         assert got.shape == (rows, n) and got.dtype == torch.float32
         torch.testing.assert_close(got.double(), want, atol=1e-4 * max(1.0, k ** 0.5), rtol=1e-5)
 
@@ -248,18 +248,12 @@ def test_wide_inputs_take_torchs_gemm_where_the_panels_are_the_avx2_build():
     w, b = torch.randn(100, 64), torch.randn(100)
     packed = cpu_native.pack_linear(w, b)
     avx2 = cpu_native.library().sy_panel_vector_bits() == 256
-    assert packed._torch_rows == (cpu_native.AVX2_TORCH_MIN_ROWS if avx2 else None)
     wide = torch.randn(cpu_native.AVX2_TORCH_MIN_ROWS, 64)
     narrow = wide[:cpu_native.AVX2_TORCH_MIN_ROWS - 1]
     torch.testing.assert_close(packed(wide), F.linear(wide, w, b), atol=1e-4, rtol=1e-5)
-    if avx2:
-        assert torch.equal(packed(wide), F.linear(wide, w, b))  # torch's own GEMM, not the panels
-    # rows below the threshold: the panels, every build
-    panels = torch.empty(narrow.shape[0], 100)
-    cpu_native.library().sy_gemm_panels_f32(narrow.data_ptr(), narrow.stride(0), packed.panels.data_ptr(),
-                                            b.data_ptr(), panels.data_ptr(), 100, narrow.shape[0], 100, 64,
-                                            torch.get_num_threads())
-    assert torch.equal(packed(narrow), panels)
+    # from the threshold: torch's own GEMM on an AVX2 build, the panels on any other
+    assert torch.equal(packed(wide), F.linear(wide, w, b) if avx2 else packed.panel_gemm(wide))
+    assert torch.equal(packed(narrow), packed.panel_gemm(narrow))  # below it: the panels, every build
 
 
 def test_panel_gemm_strided_inputs_and_threads():
