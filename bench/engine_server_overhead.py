@@ -133,6 +133,7 @@ def in_process(model: Path, extra: list[str], args, gap_s: float) -> dict:
 
 
 def through_server(model: Path, extra: list[str], args, gap_s: float, stream: bool) -> dict:
+    """`extra`: the model's flags, plus any serving flags of the mode (--decode-burst-ms)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "totals.json"
         with TimedServer(model, extra, args.threads, gap_s, out) as srv, httpx.Client(timeout=600) as client:
@@ -170,16 +171,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--gap-ms", type=float, default=20.0, help="longer intervals (prefill, idle) are not counted")
+    p.add_argument("--burst-ms", type=float, nargs="*", default=[],
+                   help="also streamed with the server's --decode-burst-ms at each of these values")
     p.add_argument("--out", default=str(ROOT / "bench/results/engine_server_overhead"), help="path without extension")
     args = p.parse_args(argv)
     kind, extra = MODELS[args.precision]
     model = peers.smollm2_llamacpp_models((kind,))[kind]
     gap_s = args.gap_ms / 1e3
     runs: dict[str, list[dict]] = {"in-process": [], "plain": [], "streamed": []}
+    runs.update({f"streamed, burst {b:g} ms": [] for b in args.burst_ms})
     for r in range(args.rounds):
         runs["in-process"].append(summary(in_process(model, extra, args, gap_s)))
         runs["plain"].append(summary(through_server(model, extra, args, gap_s, stream=False)))
         runs["streamed"].append(summary(through_server(model, extra, args, gap_s, stream=True)))
+        for b in args.burst_ms:
+            burst = [*extra, "--decode-burst-ms", f"{b:g}"]
+            runs[f"streamed, burst {b:g} ms"].append(summary(through_server(model, burst, args, gap_s, stream=True)))
         print(f"round {r + 1}: " + ", ".join(f"{m} {v[-1]['outside_ms']:.3f} ms outside" for m, v in runs.items()),
               flush=True)
     lines = [f"# Outside the native step, batch 1 — SmolLM2-135M {args.precision}, {args.threads} threads", "",

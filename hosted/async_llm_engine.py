@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from hosted.engine import EngineConfig, EngineStats, LLMEngine, StepOutput
+from hosted.engine import BurstInterrupt, EngineConfig, EngineStats, LLMEngine, StepOutput
 from hosted.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -91,6 +91,8 @@ class AsyncLLMEngine:
         self._finish_events: collections.deque[float] = collections.deque()
         self._busy_lock = threading.Lock()
         self._pending: list[StepOutput] = []  # the last step's outputs, not handed to the loop yet (engine thread)
+        self._burst_s = engine.config.decode_burst_ms / 1000.0  # see EngineConfig.decode_burst_ms
+        self._interrupt = BurstInterrupt()  # raised with every command: a burst ends for it after its current step
 
     @classmethod
     def from_config(cls, config: EngineConfig, **kwargs) -> AsyncLLMEngine:
@@ -109,6 +111,7 @@ class AsyncLLMEngine:
         """Stop the thread after its current step; requests still streaming get EngineDeadError."""
         with self._cv:
             self._stopping = True
+            self._interrupt.set()
             self._cv.notify()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
@@ -199,6 +202,7 @@ class AsyncLLMEngine:
     def _submit(self, command: _Add | _Abort) -> None:
         with self._cv:
             self._commands.append(command)
+            self._interrupt.set()
             self._cv.notify()
 
     # ------------------------------------------------------------------------------ introspection
@@ -229,13 +233,15 @@ class AsyncLLMEngine:
                         return
                     commands = list(self._commands)
                     self._commands.clear()
+                    self._interrupt.clear()
                 self._apply(commands)
                 if engine.has_unfinished():
                     busy_before = self._stats.busy_seconds
                     # A step's outputs go to the event loop when the next step's forward starts: the loop's work on
                     # them (detokenizing, SSE) then runs while the forward's native code has dropped the GIL,
                     # instead of contending for it with the next step's Python. Without a next forward, at once.
-                    outputs = engine.step(before_forward=self._send_pending)
+                    outputs = engine.step(before_forward=self._send_pending, burst_s=self._burst_s,
+                                          interrupt=self._interrupt)
                     self._send_pending()
                     self._stats = engine.stats()
                     self._record(self._stats.busy_seconds - busy_before, outputs)

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hosted.config import KV_CACHE_DTYPES
+from hosted.config import DEFAULT_DECODE_BURST_MS, KV_CACHE_DTYPES
 from hosted.models import DEMO_MODEL_DIR, SMOLLM2_MODEL, is_gguf, resolve_model_path
 
 if TYPE_CHECKING:
@@ -68,6 +68,10 @@ def _add_serve(esub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="KV cache element type (default auto: --dtype); bfloat16 beside float32 or int8/int4 weights "
                         "halves the cache bytes each decode step reads and doubles the tokens the pool holds (CPU)")
+    p.add_argument("--decode-burst-ms", type=float, default=DEFAULT_DECODE_BURST_MS, metavar="MS",
+                   help="run decode-only steps back to back for up to MS milliseconds before their tokens are "
+                        "streamed (one SSE chunk per burst; a new request or an abort ends a burst at once); "
+                        "0 streams every step's token")
     p.add_argument("--speculative", default=None, choices=["ngram", "draft"],
                    help="speculative decoding: ngram = prompt lookup (no draft model); draft = --draft DIR")
     p.add_argument("--draft", default=None, metavar="DIR",
@@ -201,6 +205,7 @@ def load_model(args: argparse.Namespace) -> tuple[AsyncLLMEngine, Tokenizer]:
                           quantization_group_size=getattr(args, "quantization_group_size", 128),
                           quantize_head=getattr(args, "quantize_head", None),
                           kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+                          decode_burst_ms=getattr(args, "decode_burst_ms", DEFAULT_DECODE_BURST_MS),
                           speculative=getattr(args, "speculative", None), draft_model_dir=getattr(args, "draft", None),
                           num_speculative_tokens=getattr(args, "num_speculative_tokens", 4))
     engine = AsyncLLMEngine(LLMEngine(config), max_waiting=args.max_waiting)

@@ -270,6 +270,7 @@ def _parse_rope(raw: dict[str, Any], source: str) -> tuple[float, dict[str, Any]
 
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+DEFAULT_DECODE_BURST_MS = 20.0  # EngineConfig.decode_burst_ms (and the CLI's default)
 
 
 @dataclass(slots=True)
@@ -298,6 +299,11 @@ class EngineConfig:
     # bytes every decode step reads from the cache and doubles the tokens a pool holds (llama.cpp keeps f16 KV by
     # default); K and V are rounded to bf16 when written, attention still computes in fp32. CPU only for now.
     kv_cache_dtype: str = "auto"
+    # Serving (AsyncLLMEngine): decode-only steps run back to back for up to this many milliseconds before their
+    # tokens go to the server, which then detokenizes and writes them once per burst instead of once per token
+    # (on a CPU host that work shares the cores with the next step). A new request, an abort, a finished request
+    # or a preemption ends a burst at once; streams arrive in bursts no longer than this. 0 = every step.
+    decode_burst_ms: float = DEFAULT_DECODE_BURST_MS
     # Speculative decoding (hosted/spec/): None = off; "ngram" = prompt lookup (n-grams of spec_ngram_max down
     # to spec_ngram_min tokens); "draft" = draft_model_dir, a small model with the same vocabulary (a draft
     # directory alone implies "draft"). Up to num_speculative_tokens drafts per decode per step, as many as
@@ -331,6 +337,8 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATION_SCHEMES:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_SCHEMES)} (or None), "
                              f"got {self.quantization!r}")
+        if not (isinstance(self.decode_burst_ms, int | float) and 0 <= self.decode_burst_ms <= 1000):
+            raise ValueError(f"decode_burst_ms must be a number of milliseconds in [0, 1000], got {self.decode_burst_ms!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.quantization_group_size not in INT4_GROUP_SIZES:

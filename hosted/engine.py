@@ -21,7 +21,7 @@ from hosted.sequence import Sequence
 from hosted.spec.decoder import Sampled, SpecDecoder, plain_samples
 from hosted.structured import GrammarMasks, new_matcher
 
-__all__ = ["EngineConfig", "EngineStats", "LLMEngine", "SamplingParams", "StepOutput", "TokenLogprob"]
+__all__ = ["BurstInterrupt", "EngineConfig", "EngineStats", "LLMEngine", "SamplingParams", "StepOutput", "TokenLogprob"]
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,24 @@ class EngineStats:
     spec_accepted_tokens: int = 0  # of them, kept as output
 
 
+class BurstInterrupt:
+    """A flag another thread raises to end the engine's current decode burst (LLMEngine.step) after the step in
+    progress: read between iterations, and after each step by a native greedy burst (as memory, without the GIL)."""
+
+    def __init__(self) -> None:
+        self.flag = torch.zeros(1, dtype=torch.int32)
+        self._view = self.flag.numpy()  # numpy writes: cheaper than torch indexing, same memory
+
+    def set(self) -> None:
+        self._view[0] = 1
+
+    def clear(self) -> None:
+        self._view[0] = 0
+
+    def is_set(self) -> bool:
+        return bool(self._view[0])
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         config.validate()
@@ -91,6 +109,8 @@ class LLMEngine:
         self._steps = 0
         self._generated = 0
         self._computed = 0
+        self._burst_steps = 0  # iterations in the current step() call (a burst)
+        self._last_decode_only = False  # the last iteration's batch: decodes only, nothing preempted
 
     def _resolve_max_model_len(self) -> int:
         mc = self.model_config
@@ -155,10 +175,98 @@ class LLMEngine:
         return self.scheduler.has_unfinished() or bool(self._aborted)
 
     # ---- one iteration ----------------------------------------------------------------------------
-    def step(self, before_forward: Callable[[], None] | None = None) -> list[StepOutput]:
+    def step(self, before_forward: Callable[[], None] | None = None, *, burst_s: float = 0.0,
+             interrupt: BurstInterrupt | None = None) -> list[StepOutput]:
         """One scheduler iteration. `before_forward` runs once the batch is prepared, right before the forward
-        pass (not at all when nothing is scheduled)."""
+        pass (not at all when nothing is scheduled).
+
+        With `burst_s` > 0, a step whose batch only decoded runs further decode-only iterations back to back
+        for up to that many seconds, and returns each request's tokens of them all in one StepOutput: whoever
+        hands tokens on (the server's event loop, the SSE writer, the client) then works once per burst instead
+        of once per token, while it would otherwise share the cores with the next step. A burst ends early when
+        a request finishes, anything waits for admission, a sequence would be preempted, speculation or a
+        grammar is in play, or `interrupt` is raised (the server: a request arrived or was aborted), which a
+        native greedy burst also reads after each of its steps."""
         outputs, self._aborted = self._aborted, []
+        self._burst_steps = 0
+        start = time.perf_counter()
+        burst = self._iterate(before_forward)
+        if burst is None:
+            return outputs
+        merged = {out.request_id: out for out in burst}
+        while burst_s > 0 and self._may_continue_burst(burst) and not (interrupt is not None and interrupt.is_set()):
+            elapsed = time.perf_counter() - start
+            room = int((burst_s - elapsed) / (elapsed / max(1, self._burst_steps)))  # steps that still fit
+            if room < 1:
+                break
+            burst = self._greedy_burst(room, interrupt)
+            if burst is None:
+                burst = self._iterate(None) or []
+            for out in burst:
+                merged[out.request_id] = _merge(merged.get(out.request_id), out)
+        outputs.extend(merged.values())
+        return outputs
+
+    def _may_continue_burst(self, last: list[StepOutput]) -> bool:
+        """Whether another decode-only iteration may follow the last one inside a burst (see step)."""
+        if not self._last_decode_only or self.spec is not None or self._constrained or self.scheduler.waiting:
+            return False
+        return bool(last) and not any(out.finished for out in last)
+
+    def _greedy_burst(self, max_steps: int, interrupt: BurstInterrupt | None) -> list[StepOutput] | None:
+        """Up to max_steps decode steps of every running sequence in one native call (ModelRunner.decode_greedy),
+        when each of them decodes greedily and needs nothing else per token (no logprobs, penalties, grammar or
+        speculation) and the blocks for those steps are free; None when that does not apply (the caller runs a
+        regular iteration). Tokens, finish reasons and accounting come out as from that many iterations."""
+        seqs = list(self.scheduler.running)
+        if (not self.runner.can_decode_greedy or not seqs or len(seqs) > self.config.max_num_batched_tokens
+                or any(not s.params.greedy or s.params.logprobs or s.params.top_logprobs or s.params.has_penalties
+                       or s.matcher is not None or s.num_uncomputed != 1 for s in seqs)):
+            return None
+        # Tokens each may make before it ends by length (then the call stops: its output is final).
+        budgets = [min(s.params.max_tokens - s.num_output_tokens, self.max_model_len - s.num_tokens) for s in seqs]
+        bm = self.block_manager
+        steps = min(max_steps, *budgets)
+        while steps > 0 and sum(max(0, bm.blocks_for(s.num_computed_tokens + steps) - len(s.block_table))
+                                for s in seqs) > bm.num_free_blocks:
+            steps -= 1
+        if steps < 1:
+            return None
+        for seq in seqs:
+            bm.allocate(seq, seq.num_computed_tokens + steps)
+        stop_ids = [list(s.params.stop_token_ids) + ([] if s.params.ignore_eos else self.eos_token_ids) for s in seqs]
+        t0 = time.perf_counter()
+        new_tokens = self.runner.decode_greedy(seqs, steps, stop_ids, budgets,
+                                               interrupt.flag if interrupt is not None else None)
+        elapsed = time.perf_counter() - t0
+        done = len(new_tokens[0])
+        self._busy += elapsed
+        self._steps += done
+        self._burst_steps += done
+        self._computed += done * len(seqs)
+        self._last_decode_only = True
+        outputs: list[StepOutput] = []
+        finished: list[Sequence] = []
+        for seq, tokens in zip(seqs, new_tokens):
+            seq.device_seconds += elapsed / len(seqs)
+            seq.num_computed_tokens += done
+            kept, reason = self._append(seq, tokens)
+            self._generated += kept
+            if reason is not None:
+                seq.finish_reason = reason
+                finished.append(seq)
+            elif done < steps:
+                bm.truncate(seq, seq.num_tokens)  # blocks taken for steps that did not run
+            bm.register_computed_blocks(seq)
+            outputs.append(self._output(seq, tokens[:kept], None))
+        for seq in finished:
+            self.scheduler.remove(seq)
+            self._forget(seq)
+        return outputs
+
+    def _iterate(self, before_forward: Callable[[], None] | None) -> list[StepOutput] | None:
+        """One scheduler iteration's outputs; None when nothing was scheduled."""
+        outputs: list[StepOutput] = []
         spec = self.spec
         if spec is not None:
             spec.propose(self.scheduler)  # draft tokens for running decodes, verified in this step's forward
@@ -166,8 +274,10 @@ class LLMEngine:
         if spec is not None:
             for seq in batch.preempted:
                 spec.release(seq)
+        self._last_decode_only = (not batch.empty and not batch.preempted and batch.num_decodes == len(batch.items))
         if batch.empty:
-            return outputs
+            return None
+        self._burst_steps += 1
         t0 = time.perf_counter()
         constrained = self._constrained > 0 and self._start_masks(batch)
         with torch.inference_mode():
@@ -295,3 +405,16 @@ class LLMEngine:
                 if o.request_id in out:
                     out[o.request_id].extend(o.new_token_ids)
         return [out[rid] for rid in ids]
+
+
+def _merge(earlier: StepOutput | None, later: StepOutput) -> StepOutput:
+    """One request's outputs of two consecutive iterations of a burst as one: tokens (and logprobs) in order,
+    the later one's state."""
+    if earlier is None:
+        return later
+    logprobs = None
+    if earlier.logprobs is not None or later.logprobs is not None:
+        logprobs = (earlier.logprobs or []) + (later.logprobs or [])
+    later.new_token_ids = earlier.new_token_ids + later.new_token_ids
+    later.logprobs = logprobs
+    return later

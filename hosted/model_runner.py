@@ -121,6 +121,28 @@ class ModelRunner:
             logits = self.model(input_ids, positions, self.cos_sin, meta, logits_indices)  # no-op if nested
         return (logits if sample_seqs else None), sample_seqs
 
+    @property
+    def can_decode_greedy(self) -> bool:
+        """Whether decode_greedy runs here (the CPU's native decode step, with its head and embedding)."""
+        step = getattr(self.model, "decode_step", None)
+        return step is not None and step.can_greedy
+
+    def decode_greedy(self, seqs: list[Sequence], steps: int, stop_ids: list[list[int]], budgets: list[int],
+                      interrupt: torch.Tensor | None = None) -> list[list[int]]:
+        """Up to `steps` greedy decode steps of `seqs` in one native call (DecodeStep.greedy). Each sequence has
+        one uncomputed token and blocks for `steps` more positions; stop_ids[i] and budgets[i] end the call after
+        the step in which sequence i makes one of those tokens or its budgets[i]-th, and after any step once
+        `interrupt` (int32 [1]) is nonzero. Returns each sequence's new tokens (as many for every sequence)."""
+        width = max(1, max(len(ids) for ids in stop_ids))
+        with torch.inference_mode():
+            out = self.model.decode_step.greedy(
+                torch.tensor([s.token_ids[-1] for s in seqs], dtype=torch.int64),
+                torch.tensor([s.num_computed_tokens for s in seqs], dtype=torch.int64),
+                _table_tensor([s.block_table for s in seqs], self.device),
+                torch.tensor([ids + [-1] * (width - len(ids)) for ids in stop_ids], dtype=torch.int32),
+                torch.tensor(budgets, dtype=torch.int32), steps, interrupt)
+        return out.tolist()
+
     def prepare(self, batch: ScheduledBatch):
         bs = self.block_size
         input_ids: list[int] = []

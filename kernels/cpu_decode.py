@@ -93,6 +93,60 @@ class DecodeStep:
         self.head_rows = int(model.head.n) if self.has_head else 0
         self._workspace = ThreadScratch()
         self._size = 0
+        self._embed: torch.Tensor | None = None  # the token embedding table, for greedy() (set_embedding)
+
+    def set_embedding(self, table: torch.Tensor) -> bool:
+        """Give the step the model's token embedding table ([vocab, hidden] fp32 or bf16, CPU), which greedy()
+        looks tokens up in; the table must not be replaced afterwards. Returns whether greedy() is now on."""
+        if (table.dim() != 2 or table.shape[1] != self.hidden or table.dtype not in (_F32, _BF16)
+                or table.device.type != "cpu" or not table.is_contiguous() or not self.has_head):
+            return False
+        self._embed = table
+        return True
+
+    @property
+    def can_greedy(self) -> bool:
+        return self._embed is not None
+
+    def greedy(self, tokens: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
+               stop_ids: torch.Tensor, budget: torch.Tensor, steps: int,
+               interrupt: torch.Tensor | None = None) -> torch.Tensor:
+        """Up to `steps` greedy decode steps in one native call (cpu_decode.c sy_decode_greedy): row b feeds
+        tokens[b] at positions[b], then each step's argmax (the first on ties) to the next. It ends after the
+        step in which a row makes one of its stop_ids (int32 [B, S], -1 pads) or its budget[b]-th token.
+        block_tables (int32 [B, W]) must already hold every position the steps write. `interrupt` (int32 [1])
+        ends the call after the step during which another thread sets it nonzero. Returns int64 [B, steps run]:
+        each row's new tokens. tokens/positions int64 [B], budget int32 [B] (>= 1)."""
+        if self._embed is None:
+            raise ValueError("decode step: greedy() needs the embedding table (set_embedding)")
+        batch = tokens.shape[0]
+        if (tokens.dtype != _I64 or positions.dtype != _I64 or block_tables.dtype != _I32 or stop_ids.dtype != _I32
+                or budget.dtype != _I32 or positions.shape != (batch,) or budget.shape != (batch,)
+                or block_tables.dim() != 2 or block_tables.shape[0] != batch or stop_ids.dim() != 2
+                or stop_ids.shape[0] != batch or steps < 1 or not all(t.is_contiguous() for t in (
+                    tokens, positions, block_tables, stop_ids, budget))
+                or (interrupt is not None and (interrupt.dtype != _I32 or interrupt.numel() != 1))):
+            raise ValueError("decode step: greedy inputs do not match the batch (int64 tokens/positions [B], int32 "
+                             "block tables [B, W], stop ids [B, S] and budgets [B], all contiguous; steps >= 1)")
+        out = torch.empty(batch, steps, dtype=_I64)
+        buffers = [torch.empty(batch, self.hidden, dtype=_F32) for _ in range(3)]
+        logits = torch.empty(batch, self.head_rows, dtype=_F32)
+        done = ctypes.c_int(0)
+        threads = max(1, torch.get_num_threads())
+        table = self._embed
+        for _ in range(2):
+            ws = self._workspace.get(self._size)
+            rc = self._lib.sy_decode_greedy(
+                self._model_p, table.data_ptr(), int(table.dtype == _BF16), table.shape[0], batch, tokens.data_ptr(),
+                positions.data_ptr(), block_tables.data_ptr(), block_tables.shape[1], stop_ids.data_ptr(),
+                stop_ids.shape[1], budget.data_ptr(), steps, data_ptr(interrupt), out.data_ptr(), ctypes.byref(done),
+                *(b.data_ptr() for b in buffers), logits.data_ptr(), ws, self._workspace.buf.numel(), threads)
+            if rc <= 0:
+                break
+            self._size = int(rc)
+        if rc < 0:
+            _raise(int(rc), self._model, (positions + steps).to(_I32))
+        return out[:, :done.value]
 
     def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,6 +201,8 @@ def _raise(rc: int, model: _Model, lens: torch.Tensor) -> None:
         raise IndexError(f"decode step: a slot is beyond the cache's {model.num_blocks * model.block_size} slots")
     if rc == -7:
         raise ValueError("decode step: logits asked of a plan without a head")
+    if rc == -8:
+        raise ValueError("decode step: a token id is outside the embedding table")
     raise RuntimeError(f"decode step: a native kernel failed (rc={rc})")
 
 

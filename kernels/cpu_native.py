@@ -185,6 +185,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sy_gemm_bf16.restype = i32
     lib.sy_decode_layers.argtypes = [p, p, i32, p, p, p, i64, p, p, p, p, p, i64, i32]
     lib.sy_decode_layers.restype = i64
+    lib.sy_decode_greedy.argtypes = [p, p, i32, i64, i32, p, p, p, i64, p, i32, p, i32, p, p, p, p, p, p, p, p, i64,
+                                     i32]
+    lib.sy_decode_greedy.restype = i64
     lib.sy_decode_plan_ok.argtypes = [p]
     lib.sy_decode_plan_ok.restype = i32
 

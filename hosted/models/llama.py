@@ -145,6 +145,10 @@ class LlamaForCausalLM(nn.Module):
             layers, num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
             head_dim=cfg.head_dim, eps=cfg.rms_norm_eps, scale=self.layers[0].self_attn.attn.scale, cos_sin=cos_sin,
             final_norm=self.norm.weight, head=head)
+        if self.decode_step is not None and self.head_vocab_ids is None:
+            # Greedy bursts (DecodeStep.greedy) look the next token up themselves; a draft's narrow head numbers
+            # its rows differently from the vocabulary, so it keeps the per-step path.
+            self.decode_step.set_embedding(self.embed_tokens.weight)
         return self.decode_step is not None
 
     def is_quantized(self) -> bool:

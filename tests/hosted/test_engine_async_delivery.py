@@ -24,7 +24,7 @@ def test_step_runs_before_forward_once_per_forward(tiny_model_dirs, make_engine)
 
 
 def test_outputs_reach_the_loop_when_the_next_forward_starts(tiny_model_dirs, make_engine):
-    llm = make_engine(tiny_model_dirs["llama"])
+    llm = make_engine(tiny_model_dirs["llama"], decode_burst_ms=0)  # one step per hand-over
     engine = AsyncLLMEngine(llm)
     log: list[str] = []
     runner = llm.runner
@@ -68,3 +68,36 @@ def test_outputs_reach_the_loop_when_the_next_forward_starts(tiny_model_dirs, ma
     sends = [i for i, entry in enumerate(log) if entry == "send"]
     assert all(log[i - 1] == "prepare" and log[i + 1] == "forward" for i in sends[:-1])
     assert log[-1] == "send"  # the finishing step's outputs: no forward follows, so at once
+
+
+def test_bursts_hand_over_every_token_in_order_and_a_new_request_ends_them(tiny_model_dirs, make_engine):
+    """With decode bursts (up to a second here) a step's outputs carry several tokens; a request submitted while
+    another one bursts is admitted after the step in progress, not when the burst would have ended."""
+    llm = make_engine(tiny_model_dirs["llama"], decode_burst_ms=1000)
+    engine = AsyncLLMEngine(llm)
+    long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    expected_long = llm.generate([[5, 6, 7, 8]], long)[0]
+    expected_short = llm.generate([[9, 10, 11]], PARAMS)[0]
+
+    async def run():
+        long_outputs, short_outputs = [], []
+        short: asyncio.Future | None = None
+        left_when_short_began = None  # the long request's tokens not yet received then
+        try:
+            async for out in engine.generate("long", [5, 6, 7, 8], long):
+                if short is not None and left_when_short_began is None and short.done():
+                    left_when_short_began = long.max_tokens - sum(len(o.new_token_ids) for o in long_outputs)
+                long_outputs.append(out)
+                if len(long_outputs) == 1:  # the prefill's token: the long request bursts from here on
+                    short = asyncio.ensure_future(collect(engine.generate("short", [9, 10, 11], PARAMS)))
+            assert short is not None
+            short_outputs = await short
+        finally:
+            await engine.shutdown()
+        return long_outputs, short_outputs, left_when_short_began
+
+    long_outputs, short_outputs, left = asyncio.run(run())
+    assert [t for out in long_outputs for t in out.new_token_ids] == expected_long
+    assert [t for out in short_outputs for t in out.new_token_ids] == expected_short
+    assert max(len(out.new_token_ids) for out in long_outputs) > 1  # it did burst
+    assert left is not None and left > 100  # the short one was done long before the long one
