@@ -6,10 +6,12 @@ and through `switchyard engine serve` (plain and streamed), side by side in one 
 
 Wall-clock tok/s on these machines moves by ±20% within minutes with the host's memory bandwidth, which hides a
 0.3 ms cost in a 4 ms step. So this measures, inside each process, every decode step's native call (the layers and
-the head: kernels/cpu_decode.DecodeStep.logits) and the interval from one step's native call to the next's: the
-difference is what the step spends outside the kernels -- scheduling, sampling, Python, and in a server the event
-loop's work on the tokens (it shares the GIL and the two cores with the engine thread). That difference barely
-moves with the bandwidth. Intervals longer than --gap-ms (a prefill, an idle gap between requests) are left out.
+the head: kernels/cpu_decode.DecodeStep.logits, or a greedy burst's steps: DecodeStep.greedy) and the interval from
+one native call to the next's, per step: the difference is what a step spends outside the kernels -- scheduling,
+sampling, Python, and in a server the event loop's work on the tokens (it shares the GIL and the two cores with
+the engine thread). That difference barely moves with the bandwidth. Intervals longer than --gap-ms per step (a
+prefill, an idle gap between requests) are left out. The in-process mode steps the engine without bursts; the
+server modes run with the server's --decode-burst-ms (its default unless --burst-ms adds modes).
 
 Modes, in turn for --rounds rounds:
   in-process  LLMEngine.step() on the main thread (the model loaded on a thread that exits, as the server does)
@@ -42,26 +44,30 @@ MODELS = {"fp32": ("F32", ["--dtype", "float32"]), "bf16": ("F32", ["--dtype", "
           "int4": ("Q4_0", ["--dtype", "float32", "--quantization", "int4", "--quantization-group-size", "32"])}
 
 def time_decode_steps(gap_s: float) -> dict:
-    """Time every DecodeStep.logits call in this process from now on: for each interval from one call's start to
-    the next's under gap_s (prefills and idle gaps are longer), the interval and the first call's duration."""
+    """Time every native decode call in this process from now on (DecodeStep.logits: one step; DecodeStep.greedy:
+    a burst of steps): for each interval from one call's start to the next's under gap_s per step (prefills and
+    idle gaps are longer), the interval, the first call's duration and its number of steps."""
     from kernels import cpu_decode
 
     totals = {"steps": 0, "native_s": 0.0, "interval_s": 0.0}
-    last = [0.0, 0.0]  # the previous call's start and duration
-    real = cpu_decode.DecodeStep.logits
+    last = [0.0, 0.0, 0]  # the previous call's start, duration and steps
 
-    def timed(self, *args):
-        t0 = time.perf_counter()
-        out = real(self, *args)
-        t1 = time.perf_counter()
-        if last[0] and t0 - last[0] < gap_s:  # the interval is the previous call plus what followed it
-            totals["steps"] += 1
-            totals["native_s"] += last[1]
-            totals["interval_s"] += t0 - last[0]
-        last[:] = [t0, t1 - t0]
-        return out
+    def timing(real, steps_of):
+        def timed(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            out = real(self, *args, **kwargs)
+            t1 = time.perf_counter()
+            # the interval is the previous call plus what followed it
+            if last[0] and t0 - last[0] < gap_s * last[2]:
+                totals["steps"] += last[2]
+                totals["native_s"] += last[1]
+                totals["interval_s"] += t0 - last[0]
+            last[:] = [t0, t1 - t0, steps_of(out)]
+            return out
+        return timed
 
-    cpu_decode.DecodeStep.logits = timed
+    cpu_decode.DecodeStep.logits = timing(cpu_decode.DecodeStep.logits, lambda out: 1)
+    cpu_decode.DecodeStep.greedy = timing(cpu_decode.DecodeStep.greedy, lambda out: out.shape[1])
     return totals
 
 
@@ -118,7 +124,7 @@ def in_process(model: Path, extra: list[str], args, gap_s: float) -> dict:
     loader.start()
     loader.join()
     engine = box["engine"]
-    real = cpu_decode.DecodeStep.logits
+    real = cpu_decode.DecodeStep.logits, cpu_decode.DecodeStep.greedy
     totals = time_decode_steps(gap_s)
     try:
         prompt = peers.prompt_token_ids(args.prompt_tokens)
@@ -128,7 +134,7 @@ def in_process(model: Path, extra: list[str], args, gap_s: float) -> dict:
                 totals.update(steps=0, native_s=0.0, interval_s=0.0)
             engine.generate([prompt], params)
     finally:
-        cpu_decode.DecodeStep.logits = real
+        cpu_decode.DecodeStep.logits, cpu_decode.DecodeStep.greedy = real
     return totals
 
 

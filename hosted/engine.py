@@ -110,6 +110,7 @@ class LLMEngine:
         self._generated = 0
         self._computed = 0
         self._burst_steps = 0  # iterations in the current step() call (a burst)
+        self._greedy_step_s: dict[int, float] = {}  # batch size -> seconds per step of its last native greedy burst
         self._last_decode_only = False  # the last iteration's batch: decodes only, nothing preempted
 
     def _resolve_max_model_len(self) -> int:
@@ -190,7 +191,14 @@ class LLMEngine:
         outputs, self._aborted = self._aborted, []
         self._burst_steps = 0
         start = time.perf_counter()
-        burst = self._iterate(before_forward)
+        burst = None
+        if burst_s > 0 and not self.scheduler.waiting and self.spec is None:
+            # Steady greedy decoding: the whole burst is one native call, sized by the time per step of the last
+            # one at this batch size (one step when there was none: the loop below adds what still fits).
+            per_step = self._greedy_step_s.get(len(self.scheduler.running))
+            burst = self._greedy_burst(max(1, int(burst_s / per_step)) if per_step else 1, interrupt, before_forward)
+        if burst is None:
+            burst = self._iterate(before_forward)
         if burst is None:
             return outputs
         merged = {out.request_id: out for out in burst}
@@ -213,11 +221,13 @@ class LLMEngine:
             return False
         return bool(last) and not any(out.finished for out in last)
 
-    def _greedy_burst(self, max_steps: int, interrupt: BurstInterrupt | None) -> list[StepOutput] | None:
+    def _greedy_burst(self, max_steps: int, interrupt: BurstInterrupt | None,
+                      before_forward: Callable[[], None] | None = None) -> list[StepOutput] | None:
         """Up to max_steps decode steps of every running sequence in one native call (ModelRunner.decode_greedy),
         when each of them decodes greedily and needs nothing else per token (no logprobs, penalties, grammar or
         speculation) and the blocks for those steps are free; None when that does not apply (the caller runs a
-        regular iteration). Tokens, finish reasons and accounting come out as from that many iterations."""
+        regular iteration). Tokens, finish reasons and accounting come out as from that many iterations.
+        `before_forward` runs right before the call (not at all when it does not apply)."""
         seqs = list(self.scheduler.running)
         if (not self.runner.can_decode_greedy or not seqs or len(seqs) > self.config.max_num_batched_tokens
                 or any(not s.params.greedy or s.params.logprobs or s.params.top_logprobs or s.params.has_penalties
@@ -235,11 +245,14 @@ class LLMEngine:
         for seq in seqs:
             bm.allocate(seq, seq.num_computed_tokens + steps)
         stop_ids = [list(s.params.stop_token_ids) + ([] if s.params.ignore_eos else self.eos_token_ids) for s in seqs]
+        if before_forward is not None:
+            before_forward()
         t0 = time.perf_counter()
         new_tokens = self.runner.decode_greedy(seqs, steps, stop_ids, budgets,
                                                interrupt.flag if interrupt is not None else None)
         elapsed = time.perf_counter() - t0
         done = len(new_tokens[0])
+        self._greedy_step_s[len(seqs)] = elapsed / done
         self._busy += elapsed
         self._steps += done
         self._burst_steps += done
