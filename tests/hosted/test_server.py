@@ -323,7 +323,7 @@ def test_streaming_disconnect_aborts_and_frees_blocks(server):
         for line in lines:
             if line.startswith("data: ") and '"text"' in line:
                 got += 1
-                if got >= 3:
+                if got >= 1:  # the first token; the rest comes in decode bursts of up to 20 ms each
                     break
         running = server.metrics()["switchyard_engine_requests_running"]
         assert running >= 1  # still generating when we hang up
