@@ -414,11 +414,18 @@ int64_t sy_decode_greedy(const sy_model *m, const void *embed, int embed_bf16, i
     *done = 0;
     if (B <= 0 || steps <= 0) return 0;
     if (!m->final_norm) return ERR_NO_HEAD;
+    /* every step's inputs checked before the first runs, so a call that fails writes nothing */
     int max_len = 1;
     for (int b = 0; b < B; b++) {
         if (tokens_in[b] < 0 || tokens_in[b] >= vocab) return ERR_TOKEN;
+        if (positions_in[b] < 0 || positions_in[b] + steps > m->max_position) return ERR_POSITION;
         const int64_t last = positions_in[b] + steps; /* the context of the last step */
         if (last > max_len) max_len = (int)last;
+        if ((last + m->block_size - 1) / m->block_size > table_width) return ERR_TABLE;
+        for (int64_t i = 0; i < (last + m->block_size - 1) / m->block_size; i++) {
+            const int32_t blk = tables[b * table_width + i];
+            if (blk < 0 || blk >= m->num_blocks) return ERR_BLOCK;
+        }
     }
     const int64_t need = carve(m, B, max_len, threads, NULL).bytes;
     if (workspace_size < need) return need;
@@ -430,9 +437,7 @@ int64_t sy_decode_greedy(const sy_model *m, const void *embed, int embed_bf16, i
         for (int b = 0; b < B; b++) {
             pos[b] = positions_in[b] + s;
             lens[b] = (int32_t)(pos[b] + 1);
-            const int64_t blk = pos[b] / bs;
-            slots[b] = blk < table_width ? (int64_t)tables[b * table_width + blk] * bs + pos[b] % bs : -1;
-            if (slots[b] < 0) return ERR_TABLE;
+            slots[b] = (int64_t)tables[b * table_width + pos[b] / bs] * bs + pos[b] % bs;
             float *row = hidden_in + (int64_t)b * H;
             if (embed_bf16) {
                 const uint16_t *e = (const uint16_t *)embed + tok[b] * H;

@@ -210,6 +210,13 @@ def test_greedy_native_call_rejects_bad_inputs(model_dir):
         step.greedy(torch.tensor([1]), torch.tensor([30]), table, stops, budget, 4)
     with pytest.raises(ValueError, match="greedy inputs"):
         step.greedy(torch.tensor([1]), torch.tensor([0]), table.long(), stops, budget, 2)
+    # Steps 0-1 would write block 0; step 2 needs a block outside the pool: the call fails before any write.
+    cache = engine.runner.kv_cache
+    before = cache.clone()
+    with pytest.raises(ValueError, match="outside the pool"):
+        step.greedy(torch.tensor([1]), torch.tensor([14]), torch.tensor([[0, 10_000]], dtype=torch.int32), stops,
+                    budget, 4)
+    assert torch.equal(cache, before)
 
 
 def test_decode_burst_ms_is_validated():
