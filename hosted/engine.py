@@ -182,7 +182,8 @@ class LLMEngine:
         pass (not at all when nothing is scheduled).
 
         With `burst_s` > 0, a step whose batch only decoded runs further decode-only iterations back to back
-        for up to that many seconds, and returns each request's tokens of them all in one StepOutput: whoever
+        for up to that many seconds (steady greedy decoding: one native call for them all, _greedy_burst), and
+        returns each request's tokens of them all in one StepOutput: whoever
         hands tokens on (the server's event loop, the SSE writer, the client) then works once per burst instead
         of once per token, while it would otherwise share the cores with the next step. A burst ends early when
         a request finishes, anything waits for admission, a sequence would be preempted, speculation or a
@@ -204,7 +205,8 @@ class LLMEngine:
         merged = {out.request_id: out for out in burst}
         while burst_s > 0 and self._may_continue_burst(burst) and not (interrupt is not None and interrupt.is_set()):
             elapsed = time.perf_counter() - start
-            room = int((burst_s - elapsed) / (elapsed / max(1, self._burst_steps)))  # steps that still fit
+            per_step = max(elapsed / max(1, self._burst_steps), 1e-6)
+            room = int((burst_s - elapsed) / per_step)  # steps that still fit
             if room < 1:
                 break
             burst = self._greedy_burst(room, interrupt)
@@ -272,9 +274,7 @@ class LLMEngine:
                 bm.truncate(seq, seq.num_tokens)  # blocks taken for steps that did not run
             bm.register_computed_blocks(seq)
             outputs.append(self._output(seq, tokens[:kept], None))
-        for seq in finished:
-            self.scheduler.remove(seq)
-            self._forget(seq)
+        self._retire(finished)
         return outputs
 
     def _iterate(self, before_forward: Callable[[], None] | None) -> list[StepOutput] | None:
@@ -333,12 +333,16 @@ class LLMEngine:
         # Only now, with rejected drafts rolled back, may full computed blocks enter the prefix cache.
         for seq, _ in batch.items:
             self.block_manager.register_computed_blocks(seq)
+        self._retire(finished)
+        return outputs
+
+    def _retire(self, finished: list[Sequence]) -> None:
+        """Sequences that ended this iteration leave the scheduler (their blocks freed) and the speculator."""
         for seq in finished:
             self.scheduler.remove(seq)
-            if spec is not None:
-                spec.release(seq)
+            if self.spec is not None:
+                self.spec.release(seq)
             self._forget(seq)
-        return outputs
 
     def _forget(self, seq: Sequence) -> None:
         """The request is over: drop it from the live sequences (and the count of constrained ones)."""
