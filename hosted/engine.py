@@ -109,9 +109,7 @@ class LLMEngine:
         self._steps = 0
         self._generated = 0
         self._computed = 0
-        self._burst_steps = 0  # iterations in the current step() call (a burst)
         self._greedy_step_s: dict[int, float] = {}  # batch size -> seconds per step of its last native greedy burst
-        self._last_decode_only = False  # the last iteration's batch: decodes only, nothing preempted
 
     def _resolve_max_model_len(self) -> int:
         mc = self.model_config
@@ -190,38 +188,43 @@ class LLMEngine:
         grammar is in play, or `interrupt` is raised (the server: a request arrived or was aborted), which a
         native greedy burst also reads after each of its steps."""
         outputs, self._aborted = self._aborted, []
-        self._burst_steps = 0
-        start = time.perf_counter()
+        start, steps_before = time.perf_counter(), self._steps
         burst = None
-        if burst_s > 0 and not self.scheduler.waiting and self.spec is None:
+        if burst_s > 0 and self._may_burst():
             # Steady greedy decoding: the whole burst is one native call, sized by the time per step of the last
             # one at this batch size (one step when there was none: the loop below adds what still fits).
             per_step = self._greedy_step_s.get(len(self.scheduler.running))
             burst = self._greedy_burst(max(1, int(burst_s / per_step)) if per_step else 1, interrupt, before_forward)
+        decode_only = burst is not None
         if burst is None:
-            burst = self._iterate(before_forward)
-        if burst is None:
-            return outputs
+            iterated = self._iterate(before_forward)
+            if iterated is None:
+                return outputs
+            burst, decode_only = iterated
         merged = {out.request_id: out for out in burst}
-        while burst_s > 0 and self._may_continue_burst(burst) and not (interrupt is not None and interrupt.is_set()):
+        while (burst_s > 0 and decode_only and burst and not any(out.finished for out in burst) and self._may_burst()
+               and not (interrupt is not None and interrupt.is_set())):
             elapsed = time.perf_counter() - start
-            per_step = max(elapsed / max(1, self._burst_steps), 1e-6)
+            per_step = max(elapsed / max(1, self._steps - steps_before), 1e-6)
             room = int((burst_s - elapsed) / per_step)  # steps that still fit
             if room < 1:
                 break
             burst = self._greedy_burst(room, interrupt)
+            decode_only = burst is not None
             if burst is None:
-                burst = self._iterate(None) or []
+                iterated = self._iterate(None)
+                if iterated is None:
+                    break
+                burst, decode_only = iterated
             for out in burst:
                 merged[out.request_id] = _merge(merged.get(out.request_id), out)
         outputs.extend(merged.values())
         return outputs
 
-    def _may_continue_burst(self, last: list[StepOutput]) -> bool:
-        """Whether another decode-only iteration may follow the last one inside a burst (see step)."""
-        if not self._last_decode_only or self.spec is not None or self._constrained or self.scheduler.waiting:
-            return False
-        return bool(last) and not any(out.finished for out in last)
+    def _may_burst(self) -> bool:
+        """Whether decode-only iterations may run back to back now: nothing waits for admission, and no speculation
+        or grammar needs each step's tokens first (see step)."""
+        return self.spec is None and not self._constrained and not self.scheduler.waiting
 
     def _greedy_burst(self, max_steps: int, interrupt: BurstInterrupt | None,
                       before_forward: Callable[[], None] | None = None) -> list[StepOutput] | None:
@@ -257,9 +260,7 @@ class LLMEngine:
         self._greedy_step_s[len(seqs)] = elapsed / done
         self._busy += elapsed
         self._steps += done
-        self._burst_steps += done
         self._computed += done * len(seqs)
-        self._last_decode_only = True
         outputs: list[StepOutput] = []
         finished: list[Sequence] = []
         for seq, tokens in zip(seqs, new_tokens):
@@ -277,8 +278,9 @@ class LLMEngine:
         self._retire(finished)
         return outputs
 
-    def _iterate(self, before_forward: Callable[[], None] | None) -> list[StepOutput] | None:
-        """One scheduler iteration's outputs; None when nothing was scheduled."""
+    def _iterate(self, before_forward: Callable[[], None] | None) -> tuple[list[StepOutput], bool] | None:
+        """One scheduler iteration's outputs, and whether its batch only decoded (nothing preempted); None when
+        nothing was scheduled."""
         outputs: list[StepOutput] = []
         spec = self.spec
         if spec is not None:
@@ -287,10 +289,8 @@ class LLMEngine:
         if spec is not None:
             for seq in batch.preempted:
                 spec.release(seq)
-        self._last_decode_only = (not batch.empty and not batch.preempted and batch.num_decodes == len(batch.items))
         if batch.empty:
             return None
-        self._burst_steps += 1
         t0 = time.perf_counter()
         constrained = self._constrained > 0 and self._start_masks(batch)
         with torch.inference_mode():
@@ -334,7 +334,7 @@ class LLMEngine:
         for seq, _ in batch.items:
             self.block_manager.register_computed_blocks(seq)
         self._retire(finished)
-        return outputs
+        return outputs, not batch.preempted and batch.num_decodes == len(batch.items)
 
     def _retire(self, finished: list[Sequence]) -> None:
         """Sequences that ended this iteration leave the scheduler (their blocks freed) and the speculator."""
