@@ -414,23 +414,22 @@ int64_t sy_decode_greedy(const sy_model *m, const void *embed, int embed_bf16, i
     *done = 0;
     if (B <= 0 || steps <= 0) return 0;
     if (!m->final_norm) return ERR_NO_HEAD;
-    /* every step's inputs checked before the first runs, so a call that fails writes nothing */
-    int max_len = 1;
-    for (int b = 0; b < B; b++) {
-        if (tokens_in[b] < 0 || tokens_in[b] >= vocab) return ERR_TOKEN;
-        if (positions_in[b] < 0 || positions_in[b] + steps > m->max_position) return ERR_POSITION;
-        const int64_t last = positions_in[b] + steps; /* the context of the last step */
-        if (last > max_len) max_len = (int)last;
-        if ((last + m->block_size - 1) / m->block_size > table_width) return ERR_TABLE;
-        for (int64_t i = 0; i < (last + m->block_size - 1) / m->block_size; i++) {
-            const int32_t blk = tables[b * table_width + i];
-            if (blk < 0 || blk >= m->num_blocks) return ERR_BLOCK;
-        }
-    }
-    const int64_t need = carve(m, B, max_len, threads, NULL).bytes;
-    if (workspace_size < need) return need;
     int64_t pos[B], slots[B], tok[B];
     int32_t lens[B];
+    /* Every step's inputs checked before the first runs, so a call that fails writes nothing: the last step's
+     * positions and contexts cover all the blocks the earlier ones use (its slots are looked up only later). */
+    for (int b = 0; b < B; b++) {
+        if (tokens_in[b] < 0 || tokens_in[b] >= vocab) return ERR_TOKEN;
+        if (positions_in[b] < 0) return ERR_POSITION;
+        pos[b] = positions_in[b] + steps - 1;
+        lens[b] = (int32_t)(pos[b] + 1);
+        slots[b] = -1;
+    }
+    int max_len;
+    const int64_t bad = check_step(m, B, pos, slots, tables, table_width, lens, &max_len);
+    if (bad) return bad;
+    const int64_t need = carve(m, B, max_len, threads, NULL).bytes;
+    if (workspace_size < need) return need;
     const int H = m->hidden, bs = m->block_size;
     memcpy(tok, tokens_in, sizeof(tok));
     for (int s = 0; s < steps; s++) {
