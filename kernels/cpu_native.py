@@ -48,7 +48,19 @@ def _variants() -> tuple[list[str], ...]:
     SWITCHYARD_CPU_MARCH names another target (x86-64-v3: the AVX2 kernels on a machine with AVX-512, for a
     fleet of mixed machines sharing one cache, or to test them)."""
     march = f"-march={os.environ.get('SWITCHYARD_CPU_MARCH', '').strip() or 'native'}"
-    return ([march, "-fopenmp"], [march], ["-fopenmp"], [])
+    vendor = ["-DSY_PREFETCH_INTEL"] if _cpu_vendor() == "GenuineIntel" else []  # prefetch hints (cpu_lowp.c)
+    return ([march, "-fopenmp", *vendor], [march, *vendor], ["-fopenmp", *vendor], vendor)
+
+
+def _cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD), '' where there is none."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "lib": CDLL | None once resolved, "why": reason when None
