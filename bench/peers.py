@@ -42,6 +42,11 @@ How each server is run, and why:
       every decode step attended over the whole shared cache here (34 tok/s instead of ~130, PEERS.md); this
       build enables it by default only with -np auto, we pass the flag anyway. Flags are passed only when this
       build's --help lists them. Speculative decoding (draft model, n-gram modes): see LlamaServer.
+      --no-repack (LlamaServer(repack=False)): no weight repacking (AMX / CPU_REPACK buffers). On the AMX Xeon
+      here this build's AMX repack path (ggml_backend_amx_mul_mat) crashes llama-server with SIGSEGV at startup
+      for Q8_0/Q4_0 files (F32/BF16 are unaffected); with --no-repack it starts and serves. Repacking stays on
+      by default; bench/engine_peers.py reruns a configuration with --no-repack when the server dies at startup,
+      and says so in its row.
   python -m vllm.entrypoints.openai.api_server --model DIR --dtype bfloat16|float32 --max-num-seqs N
                 --served-model-name NAME --host 127.0.0.1 --port P
       (its `vllm` console script fails on a package-metadata lookup here, PEERS.md.) Environment:
@@ -438,8 +443,10 @@ class LlamaServer(_Server):
 
     threads: -t and -tb. parallel: -np slots; ctx: total context (-c), split between the slots, so each slot
     gets ctx // parallel positions (default 512 per slot). prompt_cache: off by default (--no-cache-prompt and
-    --cache-ram 0), so a repeated prompt is prefilled again and TTFT is a real prefill. extra_args: passed
-    through verbatim, last.
+    --cache-ram 0), so a repeated prompt is prefilled again and TTFT is a real prefill. repack: False adds
+    --no-repack (weights stay as mapped from the file, no AMX / CPU_REPACK copies): on the AMX Xeon here this
+    build crashes at startup in its AMX repack path for Q8_0/Q4_0 files. extra_args: passed through verbatim,
+    last.
 
     Speculative decoding (this build: llama.cpp 0.5.0-dev, commit 0c1e570, vendored by llama-cpp-python
     0.3.36):
@@ -461,7 +468,7 @@ class LlamaServer(_Server):
     def __init__(self, model_gguf: str | Path, threads: int = 2, parallel: int = 1, ctx: int | None = None,
                  draft_gguf: str | Path | None = None, extra_args: tuple[str, ...] | list[str] = (),
                  draft_max: int = 8, draft_min: int = 0, spec_type: str | None = None,
-                 prompt_cache: bool = False, alias: str | None = None,
+                 prompt_cache: bool = False, alias: str | None = None, repack: bool = True,
                  startup_timeout_s: float = 120.0) -> None:
         super().__init__()
         binary = ensure_llamacpp() / "llama-server"
@@ -481,6 +488,8 @@ class LlamaServer(_Server):
                 self.cmd.append("--no-cache-prompt")
             if has("--cache-ram"):
                 self.cmd += ["--cache-ram", "0"]
+        if not repack and has("--no-repack"):
+            self.cmd.append("--no-repack")
         if draft_gguf is not None:
             self.cmd += ["-md", str(draft_gguf)]
             if has("--spec-draft-n-max"):  # this build; --draft-max is listed only as removed
