@@ -7,7 +7,9 @@ products), with weights packed once into the 16-row strips those kernels read.
                blocks), nibbles widened inside the dot-product loop: nothing is dequantized to memory; the
                scales and zero points are kept as fp16 (as GGUF's Q4 blocks store them)
   BF16Strips   bf16 weights, bf16 activations (fp32 inputs are rounded to bf16 first), fp32 accumulation;
-               from BF16_TORCH_MIN_ROWS rows torch's GEMM instead, where this build has AVX512-BF16
+               through AMX tiles where the CPU has them (cpu_amx.c: the strips are AMX's B layout); from
+               BF16_TORCH_MIN_ROWS rows (AMX_TORCH_MIN_ROWS with AMX) torch's GEMM instead, where this build has
+               AVX512-BF16
 
 Each packs at construction (`make_*` return None where the kernel cannot take the layer: no such
 instructions in this build, or K not a multiple of 32 for int8/int4) and is then called like a layer:
@@ -28,11 +30,14 @@ from kernels import cpu_native
 _F32, _BF16 = torch.float32, torch.bfloat16
 QBLOCK = 32  # activation block of sy_quantize_rows_q8 (as in cpu_lowp.c)
 GROUP_Q8, GROUP_BF16 = 2, 4  # strips per tile group, interleaved step by step (as in cpu_lowp.c; int4: none)
-FEATURE_VNNI, FEATURE_BF16, FEATURE_AVX512_BF16 = 1, 2, 4
+FEATURE_VNNI, FEATURE_BF16, FEATURE_AVX512_BF16, FEATURE_AMX_BF16 = 1, 2, 4, 8
 # bf16 projections of at least this many rows are torch's GEMM (oneDNN) when the build has AVX512-BF16 (oneDNN's
 # bf16 uses the same instructions): on Zen 5 (2 threads, SmolLM2's shapes) ours led at 64 rows, tied at 128-192
 # and trailed by 15-40% from 256 (a prefill's rows). Without them (the AVX2 build) the strips take every size.
 BF16_TORCH_MIN_ROWS = 192
+# With AMX tiles (cpu_amx.c; oneDNN uses them too) ours ran 1.9-2.2 TFLOP/s at 16-512 rows on a 2-core Xeon, 1.1-1.9x
+# oneDNN up to 256 rows (10x the AVX512-BF16 strips at 64), level at 512, and oneDNN 1.2-1.7x ahead at 2048.
+AMX_TORCH_MIN_ROWS = 512
 
 
 def features() -> int:
@@ -188,7 +193,7 @@ class Int4Strips(_QuantStrips):
 
 
 class BF16Strips(_Strips):
-    __slots__ = ("_dense",)
+    __slots__ = ("_dense", "_torch_min_rows")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lib: ctypes.CDLL) -> None:
         n, k = weight.shape
@@ -198,14 +203,15 @@ class BF16Strips(_Strips):
         super().__init__(n, k, packed, bias, lib)
         # (weight, bias) as given, for torch's GEMM at many rows; decided once: None where this build lacks
         # AVX512-BF16 or the weight is not bf16. References only (the layer keeps them), as PackedLinear does.
-        use_torch = (weight.dtype == _BF16 and (bias is None or bias.dtype == _BF16)
-                     and lib.sy_lowp_features() & FEATURE_AVX512_BF16)
+        features = lib.sy_lowp_features()
+        use_torch = (weight.dtype == _BF16 and (bias is None or bias.dtype == _BF16) and features & FEATURE_AVX512_BF16)
         self._dense = (weight, bias) if use_torch else None
+        self._torch_min_rows = AMX_TORCH_MIN_ROWS if features & FEATURE_AMX_BF16 else BF16_TORCH_MIN_ROWS
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2 = self._rows(x)
         rows = x2.shape[0]
-        if self._dense is not None and rows >= BF16_TORCH_MIN_ROWS and x2.dtype == _BF16:
+        if self._dense is not None and rows >= self._torch_min_rows and x2.dtype == _BF16:
             return F.linear(x2, *self._dense)
         y = torch.empty(rows, self.n, dtype=_F32)
         if rows:

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 # cpu_lowp.c: the bf16 / int8 / int4 projections (kernels/cpu_lowp.py wraps them); cpu_decode.c: a whole decode
 # step's layers in one call over these kernels (kernels/cpu_decode.py); cpu_team.c: that step's barriers.
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_native.c", "cpu_lowp.c", "cpu_decode.c", "cpu_team.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_native.c", "cpu_lowp.c", "cpu_amx.c", "cpu_decode.c", "cpu_team.c"))
 # Small-M linear: above this many rows MKL's GEMM wins (measured on the SmolLM-135M shapes).
 LINEAR_MAX_ROWS = 4
 _FLAGS = ["-O3", "-shared", "-fPIC", "-std=gnu11"]
@@ -68,6 +68,11 @@ _state: dict[str, object] = {}  # "lib": CDLL | None once resolved, "why": reaso
 
 def enabled() -> bool:
     return os.environ.get("SWITCHYARD_CPU_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def amx_enabled() -> bool:
+    """SWITCHYARD_CPU_AMX=0 keeps the bf16 projections off AMX tiles (cpu_amx.c) where the CPU has them."""
+    return os.environ.get("SWITCHYARD_CPU_AMX", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def reset() -> None:
@@ -119,6 +124,7 @@ def _resolve() -> tuple[ctypes.CDLL | None, str]:
             errors.append(str(exc).strip().splitlines()[-1] if str(exc).strip() else repr(exc))
             continue
         _declare(lib)
+        lib.sy_amx_enable(int(amx_enabled()))
         log.info("native CPU kernels: %s (%s)", path, " ".join(flags))
         return lib, ""
     return None, "; ".join(errors)
@@ -187,6 +193,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sy_gemm_panels_f32.restype = None
     lib.sy_panel_vector_bits.argtypes = []
     lib.sy_panel_vector_bits.restype = i32
+    lib.sy_amx_enable.argtypes = [i32]
+    lib.sy_amx_enable.restype = None
     lib.sy_lowp_features.argtypes = []
     lib.sy_lowp_features.restype = i32
     lib.sy_linear_q8.argtypes = [p, i64, i32, i32, p, p, p, p, p, i64, i64, i32]

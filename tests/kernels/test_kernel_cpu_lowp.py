@@ -72,8 +72,25 @@ def test_int4_matches_float64_of_its_math_and_the_reference(m, n, k, group_size,
     assert _rel(got, reference.int4_linear(x, packed, scales, zeros, group_size, bias)) < 0.02
 
 
-@pytest.mark.parametrize("m,n,k", SHAPES)
-def test_bf16_matches_float64_and_torch(m, n, k):
+# bf16 adds: partial groups of 4 strips (N 70, 200), partial 16-row AMX tiles (M 17, 33), K not a multiple of 32
+# (AMX leaves it to the strips), more rows than an AMX row chunk (300 > 256)
+BF16_SHAPES = [*SHAPES, (17, 70, 96), (33, 200, 64), (20, 40, 50), (300, 100, 96)]
+
+
+@pytest.fixture(params=[False, True], ids=["strips", "amx"])
+def amx(request, monkeypatch):
+    """The bf16 kernels with AMX tiles off (the AVX512-BF16 / AVX2 strips) and on (where the CPU has them)."""
+    monkeypatch.setenv("SWITCHYARD_CPU_AMX", "1" if request.param else "0")
+    cpu_native.reset()
+    if request.param:
+        _need(cpu_lowp.FEATURE_AMX_BF16)
+    else:
+        assert not cpu_lowp.features() & cpu_lowp.FEATURE_AMX_BF16
+    return request.param
+
+
+@pytest.mark.parametrize("m,n,k", BF16_SHAPES)
+def test_bf16_matches_float64_and_torch(m, n, k, amx):
     _need(cpu_lowp.FEATURE_BF16)
     torch.manual_seed(m + n + k)
     w, x, bias = torch.randn(n, k).bfloat16(), torch.randn(m, k), torch.randn(n)
@@ -205,10 +222,12 @@ def test_linear_layers_pack_each_precision_and_keep_their_results():
     assert _rel(head(x), want) < 0.02
 
 
-def test_bf16_projections_of_many_rows_go_to_torch_where_it_has_avx512_bf16():
-    """A packed bf16 projection of >= BF16_TORCH_MIN_ROWS rows is torch's GEMM (oneDNN won from there, measured)
-    on a build with AVX512-BF16; fewer rows, or no AVX512-BF16, run the native kernel."""
+def test_bf16_projections_of_many_rows_go_to_torch_where_it_has_avx512_bf16(amx):
+    """A packed bf16 projection of >= BF16_TORCH_MIN_ROWS rows (AMX_TORCH_MIN_ROWS with AMX tiles) is torch's GEMM
+    (oneDNN won from there, measured) on a build with AVX512-BF16; fewer rows, or no AVX512-BF16, run the native
+    kernel."""
     _need(cpu_lowp.FEATURE_BF16)
+    threshold = cpu_lowp.AMX_TORCH_MIN_ROWS if amx else cpu_lowp.BF16_TORCH_MIN_ROWS
     torch.manual_seed(6)
     w, bias = torch.randn(40, 64).bfloat16(), torch.randn(40).bfloat16()
     strips = cpu_lowp.make_bf16(w, bias)
@@ -222,11 +241,11 @@ def test_bf16_projections_of_many_rows_go_to_torch_where_it_has_avx512_bf16():
             return self.lib.sy_gemm_bf16(*args)
 
     strips._lib = recording = Recording(strips._lib)
-    few, many = torch.randn(3, 64).bfloat16(), torch.randn(cpu_lowp.BF16_TORCH_MIN_ROWS, 64).bfloat16()
+    few, many = torch.randn(3, 64).bfloat16(), torch.randn(threshold, 64).bfloat16()
     ops.CPU.linear(few, w, bias, strips)
     got = ops.CPU.linear(many, w, bias, strips)
     if cpu_lowp.features() & cpu_lowp.FEATURE_AVX512_BF16:
         assert recording.rows == [3]
         assert torch.equal(got, F.linear(many, w, bias))
     else:
-        assert recording.rows == [3, cpu_lowp.BF16_TORCH_MIN_ROWS]
+        assert recording.rows == [3, threshold]
