@@ -636,9 +636,6 @@ int sy_linear_q4(const float *x, int64_t x_stride, int M, int K, void *scratch, 
 /* cpu_amx.c: the same product through AMX tiles where the CPU and the OS allow them (1: done, 0: not done) */
 int sy_amx_part_bf16(const uint16_t *x, int64_t xs, int M, int K, const uint16_t *w, const float *bias, float *y,
                      int64_t ys, int64_t N, int64_t first, int64_t last);
-#ifndef AMX_MIN_ROWS
-#define AMX_MIN_ROWS 1
-#endif
 
 /* y [M, N] fp32 (row stride ys) = x W^T (+ bias fp32); x bf16 [M, K] (row stride xs, in elements); W packed bf16
  * strips [strips][K/2][32] (K * 16 elements per strip, GROUP_BF16). K even. Thread t of nt's share. */
@@ -648,7 +645,8 @@ void sy_part_gemm_bf16(const uint16_t *x, int64_t xs, int M, int K, const uint16
     const int64_t strip = (int64_t)K * 16;
     int64_t first, last;
     group_share(N, GROUP_BF16, (int64_t)M * N * K / 2, t, nt, &first, &last);
-    if (M >= AMX_MIN_ROWS && sy_amx_part_bf16(x, xs, M, K, w, bias, y, ys, N, first, last)) return;
+    /* AMX at every row count: at batch 1 it reads the weights as fast as the strips (measured) */
+    if (sy_amx_part_bf16(x, xs, M, K, w, bias, y, ys, N, first, last)) return;
 #define BF(MR, NS, m0, g0, j, ng, nc)                                                                            \
     bf16_tile(x + (int64_t)(m0)*xs, xs, K, MR, NS, w + (g0)*strip + (j)*32, (ng)*32,                             \
               bias ? bias + ((g0) + (j)) * 16 : NULL, y + (int64_t)(m0)*ys + ((g0) + (j)) * 16, ys, nc)
