@@ -43,6 +43,22 @@ typedef int32_t i16 __attribute__((vector_size(64)));
 #define MAX_CHUNKS 16       /* parts one sequence's attention is split into across threads */
 
 static inline v16 ld(const float *p) { return *(const v16 *)p; }
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+/* 16 bf16 values widened to fp32 (exact: a bf16 is the top half of an fp32) */
+static inline v16 ld_bf16(const uint16_t *p) {
+#ifdef __AVX512F__
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return (v16)_mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+#else
+    uint32_t u[16];
+    for (int i = 0; i < 16; i++) u[i] = (uint32_t)p[i] << 16;
+    v16 r;
+    memcpy(&r, u, sizeof(r));
+    return r;
+#endif
+}
 
 /* Lane sums of 16 vectors: out[t] = sum_i a[t][i], by a shuffle tree (30 shuffles + 15 adds). */
 static inline v16 transpose_sum16(const v16 *a) {
@@ -197,50 +213,61 @@ static inline __attribute__((always_inline)) void pv_tile(const float *p, int64_
         }
 }
 #else
+/* The tiles below read K/V rows of type KT through LOAD (fp32, or a bf16 cache widened in registers: no
+ * converted copy of the block, which took a quarter of decode attention's time over a bf16 cache). */
+#define DIRECT_BF16_TILES 1
 /* scores[g * ld_s + t] = scale * q_g . k_t for the m (<= 16) tokens at k, k + rs, ... */
-static inline __attribute__((always_inline)) void qk_tile(const float *q, int64_t q_sh, const float *k, int64_t rs,
-                                                          int m, int GT, int CH, float scale, float *scores,
-                                                          int64_t ld_s) {
-    if (CH < 1) __builtin_unreachable(); /* head_dim >= 16, checked at entry */
-    v16 qv[MAX_GT][MAX_CH], part[MAX_GT][16];
-    for (int g = 0; g < GT; g++)
-        for (int c = 0; c < CH; c++) qv[g][c] = ld(q + g * q_sh + 16 * c);
-    for (int t = 0; t < 16; t++) {
-        if (t < m) {
-            v16 kv[MAX_CH];
-            for (int c = 0; c < CH; c++) kv[c] = ld(k + t * rs + 16 * c);
-            for (int g = 0; g < GT; g++) {
-                v16 a = qv[g][0] * kv[0];
-                for (int c = 1; c < CH; c++) a += qv[g][c] * kv[c];
-                part[g][t] = a;
-            }
-        } else {
-            for (int g = 0; g < GT; g++) part[g][t] = (v16){0};
-        }
+#define QK_TILE(NAME, KT, LOAD)                                                                                  \
+    static inline __attribute__((always_inline)) void NAME(const float *q, int64_t q_sh, const KT *k, int64_t rs,  \
+                                                           int m, int GT, int CH, float scale, float *scores,   \
+                                                           int64_t ld_s) {                                     \
+        if (CH < 1) __builtin_unreachable(); /* head_dim >= 16, checked at entry */                              \
+        v16 qv[MAX_GT][MAX_CH], part[MAX_GT][16];                                                                \
+        for (int g = 0; g < GT; g++)                                                                             \
+            for (int c = 0; c < CH; c++) qv[g][c] = ld(q + g * q_sh + 16 * c);                                   \
+        for (int t = 0; t < 16; t++) {                                                                           \
+            if (t < m) {                                                                                         \
+                v16 kv[MAX_CH];                                                                                  \
+                for (int c = 0; c < CH; c++) kv[c] = LOAD(k + t * rs + 16 * c);                                  \
+                for (int g = 0; g < GT; g++) {                                                                   \
+                    v16 a = qv[g][0] * kv[0];                                                                    \
+                    for (int c = 1; c < CH; c++) a += qv[g][c] * kv[c];                                          \
+                    part[g][t] = a;                                                                              \
+                }                                                                                                \
+            } else {                                                                                             \
+                for (int g = 0; g < GT; g++) part[g][t] = (v16){0};                                              \
+            }                                                                                                    \
+        }                                                                                                        \
+        for (int g = 0; g < GT; g++) {                                                                           \
+            const v16 sc = transpose_sum16(part[g]) * scale;                                                     \
+            memcpy(scores + g * ld_s, &sc, sizeof(float) * m);                                                   \
+        }                                                                                                        \
     }
-    for (int g = 0; g < GT; g++) {
-        const v16 sc = transpose_sum16(part[g]) * scale;
-        memcpy(scores + g * ld_s, &sc, sizeof(float) * m);
-    }
-}
+QK_TILE(qk_tile, float, ld)
+QK_TILE(qk_tile_bf16, uint16_t, ld_bf16)
+#undef QK_TILE
 
 /* acc[g * D + 16c ...] += sum_t p[g * ld_s + t] * v_t over the n tokens at v, v + rs, ... */
-static inline __attribute__((always_inline)) void pv_tile(const float *p, int64_t ld_s, const float *v, int64_t rs,
-                                                          int n, int GT, int CH, float *acc, int D) {
-    v16 a[MAX_GT][MAX_CH];
-    for (int g = 0; g < GT; g++)
-        for (int c = 0; c < CH; c++) a[g][c] = ld(acc + g * D + 16 * c);
-    for (int t = 0; t < n; t++) {
-        v16 vv[MAX_CH];
-        for (int c = 0; c < CH; c++) vv[c] = ld(v + t * rs + 16 * c);
-        for (int g = 0; g < GT; g++) {
-            const float w = p[g * ld_s + t];
-            for (int c = 0; c < CH; c++) a[g][c] += w * vv[c];
-        }
+#define PV_TILE(NAME, VT, LOAD)                                                                                  \
+    static inline __attribute__((always_inline)) void NAME(const float *p, int64_t ld_s, const VT *v, int64_t rs, \
+                                                           int n, int GT, int CH, float *acc, int D) {         \
+        v16 a[MAX_GT][MAX_CH];                                                                                   \
+        for (int g = 0; g < GT; g++)                                                                             \
+            for (int c = 0; c < CH; c++) a[g][c] = ld(acc + g * D + 16 * c);                                     \
+        for (int t = 0; t < n; t++) {                                                                            \
+            v16 vv[MAX_CH];                                                                                      \
+            for (int c = 0; c < CH; c++) vv[c] = LOAD(v + t * rs + 16 * c);                                      \
+            for (int g = 0; g < GT; g++) {                                                                       \
+                const float w = p[g * ld_s + t];                                                                 \
+                for (int c = 0; c < CH; c++) a[g][c] += w * vv[c];                                               \
+            }                                                                                                    \
+        }                                                                                                        \
+        for (int g = 0; g < GT; g++)                                                                             \
+            for (int c = 0; c < CH; c++) *(v16 *)(acc + g * D + 16 * c) = a[g][c];                               \
     }
-    for (int g = 0; g < GT; g++)
-        for (int c = 0; c < CH; c++) *(v16 *)(acc + g * D + 16 * c) = a[g][c];
-}
+PV_TILE(pv_tile, float, ld)
+PV_TILE(pv_tile_bf16, uint16_t, ld_bf16)
+#undef PV_TILE
 #endif
 
 /* Query-head tile per head_dim: 4 heads at D = 64, 2 at D = 128 (16 accumulators), else 1 (generic code).
@@ -252,44 +279,50 @@ static inline int tile_of(int CH) { return CH <= 4 ? MAX_GT : CH <= 8 ? 2 : 1; }
 static inline int tile_of(int CH) { return CH <= 2 ? 2 : 1; }
 #endif
 
-static void qk_dispatch(const float *q, int64_t q_sh, const float *k, int64_t rs, int m, int gt, int CH,
-                        float scale, float *scores, int64_t ld_s) {
-#define QK(GT, C) qk_tile(q, q_sh, k, rs, m, GT, C, scale, scores, ld_s)
-    if (CH == 4) {
-        switch (gt) {
-        case 1: QK(1, 4); return;
-        case 2: QK(2, 4); return;
-        case 3: QK(3, 4); return;
-        default: QK(4, 4); return;
-        }
+#define QK_DISPATCH(NAME, TILE, KT)                                                                              \
+    static void NAME(const float *q, int64_t q_sh, const KT *k, int64_t rs, int m, int gt, int CH, float scale,  \
+                     float *scores, int64_t ld_s) {                                                              \
+        if (CH == 4) {                                                                                           \
+            switch (gt) {                                                                                        \
+            case 1: TILE(q, q_sh, k, rs, m, 1, 4, scale, scores, ld_s); return;                                  \
+            case 2: TILE(q, q_sh, k, rs, m, 2, 4, scale, scores, ld_s); return;                                  \
+            case 3: TILE(q, q_sh, k, rs, m, 3, 4, scale, scores, ld_s); return;                                  \
+            default: TILE(q, q_sh, k, rs, m, 4, 4, scale, scores, ld_s); return;                                 \
+            }                                                                                                    \
+        }                                                                                                        \
+        if (CH == 8) {                                                                                           \
+            if (gt == 1) TILE(q, q_sh, k, rs, m, 1, 8, scale, scores, ld_s);                                     \
+            else TILE(q, q_sh, k, rs, m, 2, 8, scale, scores, ld_s);                                             \
+            return;                                                                                              \
+        }                                                                                                        \
+        for (int g = 0; g < gt; g++) TILE(q + g * q_sh, q_sh, k, rs, m, 1, CH, scale, scores + g * ld_s, ld_s);  \
     }
-    if (CH == 8) {
-        if (gt == 1) QK(1, 8); else QK(2, 8);
-        return;
+#define PV_DISPATCH(NAME, TILE, VT)                                                                              \
+    static void NAME(const float *p, int64_t ld_s, const VT *v, int64_t rs, int n, int gt, int CH, float *acc,   \
+                     int D) {                                                                                    \
+        if (CH == 4) {                                                                                           \
+            switch (gt) {                                                                                        \
+            case 1: TILE(p, ld_s, v, rs, n, 1, 4, acc, D); return;                                               \
+            case 2: TILE(p, ld_s, v, rs, n, 2, 4, acc, D); return;                                               \
+            case 3: TILE(p, ld_s, v, rs, n, 3, 4, acc, D); return;                                               \
+            default: TILE(p, ld_s, v, rs, n, 4, 4, acc, D); return;                                              \
+            }                                                                                                    \
+        }                                                                                                        \
+        if (CH == 8) {                                                                                           \
+            if (gt == 1) TILE(p, ld_s, v, rs, n, 1, 8, acc, D);                                                  \
+            else TILE(p, ld_s, v, rs, n, 2, 8, acc, D);                                                          \
+            return;                                                                                              \
+        }                                                                                                        \
+        for (int g = 0; g < gt; g++) TILE(p + g * ld_s, ld_s, v, rs, n, 1, CH, acc + g * D, D);                 \
     }
-    for (int g = 0; g < gt; g++)
-        qk_tile(q + g * q_sh, q_sh, k, rs, m, 1, CH, scale, scores + g * ld_s, ld_s);
-#undef QK
-}
-
-static void pv_dispatch(const float *p, int64_t ld_s, const float *v, int64_t rs, int n, int gt, int CH, float *acc,
-                        int D) {
-#define PV(GT, C) pv_tile(p, ld_s, v, rs, n, GT, C, acc, D)
-    if (CH == 4) {
-        switch (gt) {
-        case 1: PV(1, 4); return;
-        case 2: PV(2, 4); return;
-        case 3: PV(3, 4); return;
-        default: PV(4, 4); return;
-        }
-    }
-    if (CH == 8) {
-        if (gt == 1) PV(1, 8); else PV(2, 8);
-        return;
-    }
-    for (int g = 0; g < gt; g++) pv_tile(p + g * ld_s, ld_s, v, rs, n, 1, CH, acc + g * D, D);
-#undef PV
-}
+QK_DISPATCH(qk_dispatch, qk_tile, float)
+PV_DISPATCH(pv_dispatch, pv_tile, float)
+#ifdef DIRECT_BF16_TILES
+QK_DISPATCH(qk_dispatch_bf16, qk_tile_bf16, uint16_t)
+PV_DISPATCH(pv_dispatch_bf16, pv_tile_bf16, uint16_t)
+#endif
+#undef QK_DISPATCH
+#undef PV_DISPATCH
 
 /* This thread's row of a [threads, stride] scratch buffer. */
 static inline float *thread_scratch(float *scratch, int64_t stride) {
@@ -349,6 +382,21 @@ static int decode_seq(const float *q, int64_t q_sh, float scale, const void *kc,
     for (int i = 0; i < nblk; i++) {
         const int n = NEXT_ROWS(i);
         if (i + 1 < nblk) prefetch_block(kc, elem, table[i + 1], sb, so, sh, NEXT_ROWS(i + 1), Hkv, D);
+#ifdef DIRECT_BF16_TILES
+        if (is_bf16) {
+            const uint16_t *kb = (const uint16_t *)kc + table[i] * sb;
+            for (int t0 = 0; t0 < n; t0 += 16) {
+                const int m = n - t0 < 16 ? n - t0 : 16;
+                for (int h = 0; h < Hkv; h++)
+                    for (int g0 = 0; g0 < G; g0 += GT) {
+                        const int j = h * G + g0, gt = G - g0 < GT ? G - g0 : GT;
+                        qk_dispatch_bf16(q + (int64_t)j * q_sh, q_sh, kb + t0 * so + h * sh, so, m, gt, CH, scale,
+                                         scores + (int64_t)j * ld_s + i * block_size + t0, ld_s);
+                    }
+            }
+            continue;
+        }
+#endif
         int64_t rs, hs;
         const float *k = block_rows(kc, is_bf16, table[i], sb, so, sh, n, Hkv, D, conv, &rs, &hs);
         for (int t0 = 0; t0 < n; t0 += 16) {
@@ -384,6 +432,18 @@ static int decode_seq(const float *q, int64_t q_sh, float scale, const void *kc,
     for (int i = 0; i < nblk; i++) {
         const int n = NEXT_ROWS(i);
         if (i + 1 < nblk) prefetch_block(vc, elem, table[i + 1], sb, so, sh, NEXT_ROWS(i + 1), Hkv, D);
+#ifdef DIRECT_BF16_TILES
+        if (is_bf16) {
+            const uint16_t *vb = (const uint16_t *)vc + table[i] * sb;
+            for (int h = 0; h < Hkv; h++)
+                for (int g0 = 0; g0 < G; g0 += GT) {
+                    const int j = h * G + g0, gt = G - g0 < GT ? G - g0 : GT;
+                    pv_dispatch_bf16(scores + (int64_t)j * ld_s + i * block_size, ld_s, vb + h * sh, so, n, gt, CH,
+                                     acc + (int64_t)j * D, D);
+                }
+            continue;
+        }
+#endif
         int64_t rs, hs;
         const float *v = block_rows(vc, is_bf16, table[i], sb, so, sh, n, Hkv, D, conv, &rs, &hs);
         for (int h = 0; h < Hkv; h++)
