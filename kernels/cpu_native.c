@@ -365,6 +365,32 @@ static inline float row_max16(const float *s, int n) {
  * scores: [Hq, round_up(len, 16)] scratch. D % 16 == 0, D <= 16 * MAX_CH. stats (NULL or [Hq][2]) gets each
  * head's score maximum and sum of exp(score - maximum), for merging attention over parts of a sequence.
  * Returns 0, or 1 if a block id is out of range (nothing is read from it). */
+/* Block i's scores (QK_BLOCK) or its values' share of acc (PV_BLOCK) in decode_seq, from rows of fp32 or of a bf16
+ * cache (the matching dispatcher) with row stride RS and head stride HS, in elements. */
+#define QK_BLOCK(DISPATCH, KEYS, RS, HS)                                                                         \
+    do {                                                                                                         \
+        const __typeof__(KEYS) keys_ = (KEYS);                                                                   \
+        for (int t0 = 0; t0 < n; t0 += 16) {                                                                     \
+            const int m = n - t0 < 16 ? n - t0 : 16;                                                             \
+            for (int h = 0; h < Hkv; h++)                                                                        \
+                for (int g0 = 0; g0 < G; g0 += GT) {                                                             \
+                    const int j = h * G + g0, gt = G - g0 < GT ? G - g0 : GT;                                    \
+                    DISPATCH(q + (int64_t)j * q_sh, q_sh, keys_ + t0 * (RS) + h * (HS), RS, m, gt, CH, scale,    \
+                             scores + (int64_t)j * ld_s + i * block_size + t0, ld_s);                           \
+                }                                                                                                \
+        }                                                                                                        \
+    } while (0)
+#define PV_BLOCK(DISPATCH, VALUES, RS, HS)                                                                       \
+    do {                                                                                                         \
+        const __typeof__(VALUES) values_ = (VALUES);                                                             \
+        for (int h = 0; h < Hkv; h++)                                                                            \
+            for (int g0 = 0; g0 < G; g0 += GT) {                                                                 \
+                const int j = h * G + g0, gt = G - g0 < GT ? G - g0 : GT;                                        \
+                DISPATCH(scores + (int64_t)j * ld_s + i * block_size, ld_s, values_ + h * (HS), RS, n, gt, CH,   \
+                         acc + (int64_t)j * D, D);                                                               \
+            }                                                                                                    \
+    } while (0)
+
 static int decode_seq(const float *q, int64_t q_sh, float scale, const void *kc, const void *vc, int is_bf16,
                       int64_t sb, int64_t so, int64_t sh, const int32_t *table, int64_t num_blocks, int block_size,
                       int len, int Hq, int Hkv, int D, float *scores, float *out, float *stats) {
@@ -384,30 +410,13 @@ static int decode_seq(const float *q, int64_t q_sh, float scale, const void *kc,
         if (i + 1 < nblk) prefetch_block(kc, elem, table[i + 1], sb, so, sh, NEXT_ROWS(i + 1), Hkv, D);
 #ifdef DIRECT_BF16_TILES
         if (is_bf16) {
-            const uint16_t *kb = (const uint16_t *)kc + table[i] * sb;
-            for (int t0 = 0; t0 < n; t0 += 16) {
-                const int m = n - t0 < 16 ? n - t0 : 16;
-                for (int h = 0; h < Hkv; h++)
-                    for (int g0 = 0; g0 < G; g0 += GT) {
-                        const int j = h * G + g0, gt = G - g0 < GT ? G - g0 : GT;
-                        qk_dispatch_bf16(q + (int64_t)j * q_sh, q_sh, kb + t0 * so + h * sh, so, m, gt, CH, scale,
-                                         scores + (int64_t)j * ld_s + i * block_size + t0, ld_s);
-                    }
-            }
+            QK_BLOCK(qk_dispatch_bf16, (const uint16_t *)kc + table[i] * sb, so, sh);
             continue;
         }
 #endif
         int64_t rs, hs;
         const float *k = block_rows(kc, is_bf16, table[i], sb, so, sh, n, Hkv, D, conv, &rs, &hs);
-        for (int t0 = 0; t0 < n; t0 += 16) {
-            const int m = n - t0 < 16 ? n - t0 : 16;
-            for (int h = 0; h < Hkv; h++)
-                for (int g0 = 0; g0 < G; g0 += GT) {
-                    const int j = h * G + g0, gt = G - g0 < GT ? G - g0 : GT;
-                    qk_dispatch(q + (int64_t)j * q_sh, q_sh, k + t0 * rs + h * hs, rs, m, gt, CH, scale,
-                                scores + (int64_t)j * ld_s + i * block_size + t0, ld_s);
-                }
-        }
+        QK_BLOCK(qk_dispatch, k, rs, hs);
     }
     prefetch_block(vc, elem, table[0], sb, so, sh, NEXT_ROWS(0), Hkv, D);
     /* softmax over t, per head; the score rows are padded to a multiple of 16 (pad: -inf -> exp 0) */
@@ -434,30 +443,21 @@ static int decode_seq(const float *q, int64_t q_sh, float scale, const void *kc,
         if (i + 1 < nblk) prefetch_block(vc, elem, table[i + 1], sb, so, sh, NEXT_ROWS(i + 1), Hkv, D);
 #ifdef DIRECT_BF16_TILES
         if (is_bf16) {
-            const uint16_t *vb = (const uint16_t *)vc + table[i] * sb;
-            for (int h = 0; h < Hkv; h++)
-                for (int g0 = 0; g0 < G; g0 += GT) {
-                    const int j = h * G + g0, gt = G - g0 < GT ? G - g0 : GT;
-                    pv_dispatch_bf16(scores + (int64_t)j * ld_s + i * block_size, ld_s, vb + h * sh, so, n, gt, CH,
-                                     acc + (int64_t)j * D, D);
-                }
+            PV_BLOCK(pv_dispatch_bf16, (const uint16_t *)vc + table[i] * sb, so, sh);
             continue;
         }
 #endif
         int64_t rs, hs;
         const float *v = block_rows(vc, is_bf16, table[i], sb, so, sh, n, Hkv, D, conv, &rs, &hs);
-        for (int h = 0; h < Hkv; h++)
-            for (int g0 = 0; g0 < G; g0 += GT) {
-                const int j = h * G + g0, gt = G - g0 < GT ? G - g0 : GT;
-                pv_dispatch(scores + (int64_t)j * ld_s + i * block_size, ld_s, v + h * hs, rs, n, gt, CH,
-                            acc + (int64_t)j * D, D);
-            }
+        PV_BLOCK(pv_dispatch, v, rs, hs);
     }
     for (int j = 0; j < Hq; j++)
         for (int d = 0; d < D; d++) out[(int64_t)j * D + d] = acc[(int64_t)j * D + d] * inv[j];
     return 0;
 #undef NEXT_ROWS
 }
+#undef QK_BLOCK
+#undef PV_BLOCK
 
 /* How decode attention is cut into work units: whole sequences; with fewer sequences than a few per thread,
  * (sequence, kv head) pairs, and with fewer of those than two per thread, each pair's blocks in `chunks` parts
