@@ -10,8 +10,8 @@
  * 16 x 16 x 32 block per instruction.
  *
  * The strips already are AMX's B layout: a bf16 strip holds, for each k pair t, the 16 output rows' pairs in one
- * 64-byte line, and a B tile is 16 such lines (16 k pairs x 16 columns x 2). Within a tile group (GROUP_BF16
- * strips interleaved step by step) strip j's line t sits at (t * ns + j) * 64 bytes, so strip j's B tile for
+ * 64-byte line, and a B tile is 16 such lines (16 k pairs x 16 columns x 2). Within a tile group (cpu_lowp.c's
+ * GROUP_BF16 strips, interleaved step by step) strip j's line t sits at (t * ns + j) * 64 bytes, so strip j's B tile for
  * k pairs t..t+15 is a tile load with stride ns * 64. One A tile holds 16 rows of x x 32 k (bf16, x's own row
  * stride); four C tiles hold the 16 rows x 64 columns of a whole group, so a group's weights are read in
  * memory order once per 16 rows of x (from L2 after the first block: a group is 4 x 16 x K x 2 bytes). */
@@ -25,7 +25,8 @@
 #include <unistd.h>
 #endif
 
-#define GROUP_BF16 4 /* as in cpu_lowp.c / cpu_lowp.py */
+/* the strips per tile group (cpu_lowp.c passes its GROUP_BF16): one C tile each, so at most 4 */
+#define MAX_GROUP 4
 #ifndef ROW_CHUNK
 #define ROW_CHUNK 256
 #endif
@@ -82,9 +83,9 @@ static void store_c(float *tmp, int rows, const float *bias, float *y, int64_t y
     } while (0)
 
 /* Groups [first, last) of the strips: x bf16 [M, K] (row stride xs elements), W bf16 strips (K * 16 elements
- * each, GROUP_BF16 interleaved), y fp32 [M, N] (row stride ys). K % 32 == 0. */
-static void amx_bf16_groups(const uint16_t *x, int64_t xs, int M, int K, const uint16_t *w, const float *bias,
-                            float *y, int64_t ys, int64_t N, int64_t first, int64_t last) {
+ * each, `group` interleaved), y fp32 [M, N] (row stride ys). K % 32 == 0, group <= MAX_GROUP. */
+static void amx_bf16_groups(const uint16_t *x, int64_t xs, int M, int K, const uint16_t *w, int group,
+                            const float *bias, float *y, int64_t ys, int64_t N, int64_t first, int64_t last) {
     const int64_t strips = (N + 15) / 16, strip = (int64_t)K * 16;
     float tmp[16 * 16] __attribute__((aligned(64)));
     int configured = -1;
@@ -93,8 +94,8 @@ static void amx_bf16_groups(const uint16_t *x, int64_t xs, int M, int K, const u
      * ROW_CHUNK so the chunk of x stays in L2 while the groups pass (a prefill's 2048 rows did not). */
     for (int c0 = 0; c0 < M; c0 += ROW_CHUNK)
     for (int64_t gi = first; gi < last; gi++) {
-        const int64_t g0 = gi * GROUP_BF16;
-        const int ns = strips - g0 < GROUP_BF16 ? (int)(strips - g0) : GROUP_BF16;
+        const int64_t g0 = gi * group;
+        const int ns = strips - g0 < group ? (int)(strips - g0) : group;
         const char *wg = (const char *)(w + g0 * strip);
         const int64_t bs = (int64_t)ns * 64; /* a strip's next k pair */
         for (int m0 = c0; m0 < M && m0 < c0 + ROW_CHUNK; m0 += 16) {
@@ -134,10 +135,10 @@ static void amx_bf16_groups(const uint16_t *x, int64_t xs, int M, int K, const u
 #undef STORE
 
 /* Returns 1 when it computed the share (AMX usable, K % 32 == 0), 0 when the caller must (nothing written). */
-int sy_amx_part_bf16(const uint16_t *x, int64_t xs, int M, int K, const uint16_t *w, const float *bias, float *y,
-                     int64_t ys, int64_t N, int64_t first, int64_t last) {
-    if (K % 32 || M <= 0 || !sy_amx_ready()) return 0;
-    amx_bf16_groups(x, xs, M, K, w, bias, y, ys, N, first, last);
+int sy_amx_part_bf16(const uint16_t *x, int64_t xs, int M, int K, const uint16_t *w, int group, const float *bias,
+                     float *y, int64_t ys, int64_t N, int64_t first, int64_t last) {
+    if (K % 32 || M <= 0 || group < 1 || group > MAX_GROUP || !sy_amx_ready()) return 0;
+    amx_bf16_groups(x, xs, M, K, w, group, bias, y, ys, N, first, last);
     return 1;
 }
 #else
@@ -145,9 +146,10 @@ void sy_amx_enable(int on) { (void)on; }
 
 int sy_amx_ready(void) { return 0; }
 
-int sy_amx_part_bf16(const uint16_t *x, int64_t xs, int M, int K, const uint16_t *w, const float *bias, float *y,
-                     int64_t ys, int64_t N, int64_t first, int64_t last) {
-    (void)x, (void)xs, (void)M, (void)K, (void)w, (void)bias, (void)y, (void)ys, (void)N, (void)first, (void)last;
+int sy_amx_part_bf16(const uint16_t *x, int64_t xs, int M, int K, const uint16_t *w, int group, const float *bias,
+                     float *y, int64_t ys, int64_t N, int64_t first, int64_t last) {
+    (void)x, (void)xs, (void)M, (void)K, (void)w, (void)group, (void)bias, (void)y, (void)ys, (void)N, (void)first,
+        (void)last;
     return 0;
 }
 #endif

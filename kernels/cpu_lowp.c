@@ -62,20 +62,16 @@
 
 #if defined(SY_INT_KERNELS) || defined(SY_BF16_KERNELS)
 /* Ask for the weight bytes PREFETCH_AHEAD past the `bytes` about to be read: each thread reads NS strips side
- * by side, more concurrent streams than the hardware prefetcher keeps ahead of. */
-/* How: prefetchnta 2 KB ahead where it measured best (AMD Zen 5). Intel's prefetchnta fills L1 but not L2, and a
+ * by side, more concurrent streams than the hardware prefetcher keeps ahead of.
+ * How: prefetchnta 2 KB ahead where it measured best (AMD Zen 5). Intel's prefetchnta fills L1 but not L2, and a
  * line that leaves L1 before its load comes from DRAM again: on a Xeon with AMX (2 vCPUs) the bf16 GEMVs read
  * 10.8 GB/s with it and 43 with prefetcht1 4 KB ahead (int8 19 -> 46; int4 the same either way), measured over
  * SmolLM2's shapes. cpu_native.py defines SY_PREFETCH_INTEL when it builds on a GenuineIntel CPU. */
 #ifdef SY_PREFETCH_INTEL
 #define PREFETCH_LOCALITY 2
-#ifndef PREFETCH_AHEAD
 #define PREFETCH_AHEAD 4096
-#endif
 #else
 #define PREFETCH_LOCALITY 0
-#endif
-#ifndef PREFETCH_AHEAD
 #define PREFETCH_AHEAD 2048
 #endif
 static inline void prefetch_ahead(const void *p, int bytes) {
@@ -634,8 +630,8 @@ int sy_linear_q4(const float *x, int64_t x_stride, int M, int K, void *scratch, 
 }
 
 /* cpu_amx.c: the same product through AMX tiles where the CPU and the OS allow them (1: done, 0: not done) */
-int sy_amx_part_bf16(const uint16_t *x, int64_t xs, int M, int K, const uint16_t *w, const float *bias, float *y,
-                     int64_t ys, int64_t N, int64_t first, int64_t last);
+int sy_amx_part_bf16(const uint16_t *x, int64_t xs, int M, int K, const uint16_t *w, int group, const float *bias,
+                     float *y, int64_t ys, int64_t N, int64_t first, int64_t last);
 
 /* y [M, N] fp32 (row stride ys) = x W^T (+ bias fp32); x bf16 [M, K] (row stride xs, in elements); W packed bf16
  * strips [strips][K/2][32] (K * 16 elements per strip, GROUP_BF16). K even. Thread t of nt's share. */
@@ -646,7 +642,7 @@ void sy_part_gemm_bf16(const uint16_t *x, int64_t xs, int M, int K, const uint16
     int64_t first, last;
     group_share(N, GROUP_BF16, (int64_t)M * N * K / 2, t, nt, &first, &last);
     /* AMX at every row count: at batch 1 it reads the weights as fast as the strips (measured) */
-    if (sy_amx_part_bf16(x, xs, M, K, w, bias, y, ys, N, first, last)) return;
+    if (sy_amx_part_bf16(x, xs, M, K, w, GROUP_BF16, bias, y, ys, N, first, last)) return;
 #define BF(MR, NS, m0, g0, j, ng, nc)                                                                            \
     bf16_tile(x + (int64_t)(m0)*xs, xs, K, MR, NS, w + (g0)*strip + (j)*32, (ng)*32,                             \
               bias ? bias + ((g0) + (j)) * 16 : NULL, y + (int64_t)(m0)*ys + ((g0) + (j)) * 16, ys, nc)

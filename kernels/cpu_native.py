@@ -66,13 +66,18 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}  # "lib": CDLL | None once resolved, "why": reason when None
 
 
+def _switched_on(name: str) -> bool:
+    """An on/off environment switch, on unless set to 0 / false / no / off."""
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def enabled() -> bool:
-    return os.environ.get("SWITCHYARD_CPU_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
+    return _switched_on("SWITCHYARD_CPU_NATIVE")
 
 
 def amx_enabled() -> bool:
     """SWITCHYARD_CPU_AMX=0 keeps the bf16 projections off AMX tiles (cpu_amx.c) where the CPU has them."""
-    return os.environ.get("SWITCHYARD_CPU_AMX", "1").strip().lower() not in ("0", "false", "no", "off")
+    return _switched_on("SWITCHYARD_CPU_AMX")
 
 
 def reset() -> None:
