@@ -77,6 +77,19 @@
 static inline void prefetch_ahead(const void *p, int bytes) {
     for (int c = 0; c < bytes; c += 64) __builtin_prefetch((const char *)p + PREFETCH_AHEAD + c, 0, PREFETCH_LOCALITY);
 }
+/* The AVX2 bf16 and int8 tiles ask for one line ahead per weight line they load, spread over the loop: on a Zen 1
+ * EPYC (2 vCPUs, AVX2) bf16 read 9-13 GB/s of weights from DRAM with a burst per 16 steps, 15-18 with no software
+ * prefetch and 18-21 with one prefetchnta per line 1 KB ahead (int8, which had none in the built code: 11-13 ->
+ * 16-21; prefetcht0/t2 and 2-8 KB measured between; a plain 2-thread read got 17-20 there). Intel keeps its hint
+ * and distance (not measured on an AVX2-only Intel). */
+#ifdef SY_PREFETCH_INTEL
+#define LINE_AHEAD PREFETCH_AHEAD
+#else
+#define LINE_AHEAD 1024
+#endif
+/* a macro: GCC 12 drops the prefetches of an inline helper inside the AVX2 int tiles (prefetch_ahead's are
+ * not in the built int8/int4 code) */
+#define prefetch_line(p) __builtin_prefetch((const char *)(p) + LINE_AHEAD, 0, PREFETCH_LOCALITY)
 
 #endif
 #if defined(SY_HAVE_VNNI) || defined(SY_HAVE_BF16)
@@ -299,9 +312,9 @@ static inline __attribute__((always_inline)) void q8_tile(const int8_t *xq, cons
         for (int r = 0; r < MR; r++)
             for (int s = 0; s < NS; s++) dot[r][s][0] = dot[r][s][1] = _mm256_setzero_si256();
         const uint8_t *wb = w + (int64_t)b * (QBLOCK / 4) * kst;
-        prefetch_ahead(wb, (QBLOCK / 4) * kst);
         for (int t = 0; t < QBLOCK / 4; t++) {
             __m256i wv[4][2];
+            for (int s = 0; s < NS; s++) prefetch_line(wb + s * sst + t * kst);
             for (int s = 0; s < NS; s++)
                 for (int h = 0; h < 2; h++)
                     wv[s][h] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wb + s * sst + t * kst + 32 * h)),
@@ -434,7 +447,7 @@ static inline __attribute__((always_inline)) void bf16_tile(const uint16_t *x, i
     for (int r = 0; r < MR; r++)
         for (int s = 0; s < NS; s++) acc[r][s][0] = acc[r][s][1] = _mm256_setzero_ps();
     for (int t = 0; t < K / 2; t++) {
-        if (t % 16 == 0) prefetch_ahead(w + t * kst, 16 * 2 * kst);
+        for (int s = 0; s < NS; s++) prefetch_line(w + s * 32 + t * kst);
         __m256 xe[ROW_TILE], xo[ROW_TILE];
         for (int r = 0; r < MR; r++) {
             uint32_t x2, e, o;
