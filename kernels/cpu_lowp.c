@@ -70,9 +70,11 @@
 #ifdef SY_PREFETCH_INTEL
 #define PREFETCH_LOCALITY 2
 #define PREFETCH_AHEAD 4096
+#define LINE_AHEAD 4096 /* prefetch_line, below */
 #else
 #define PREFETCH_LOCALITY 0
 #define PREFETCH_AHEAD 2048
+#define LINE_AHEAD 1024
 #endif
 static inline void prefetch_ahead(const void *p, int bytes) {
     for (int c = 0; c < bytes; c += 64) __builtin_prefetch((const char *)p + PREFETCH_AHEAD + c, 0, PREFETCH_LOCALITY);
@@ -82,11 +84,6 @@ static inline void prefetch_ahead(const void *p, int bytes) {
  * prefetch and 18-21 with one prefetchnta per line 1 KB ahead (int8, which had none in the built code: 11-13 ->
  * 16-21; prefetcht0/t2 and 2-8 KB measured between; a plain 2-thread read got 17-20 there). Intel keeps its hint
  * and distance (not measured on an AVX2-only Intel). */
-#ifdef SY_PREFETCH_INTEL
-#define LINE_AHEAD PREFETCH_AHEAD
-#else
-#define LINE_AHEAD 1024
-#endif
 /* a macro: GCC 12 drops the prefetch loop of the inline prefetch_ahead inside the AVX2 int8/int4 tiles and the
  * AVX-512 int4 tile (none in their built code, checked with objdump) */
 #define prefetch_line(p) __builtin_prefetch((const char *)(p) + LINE_AHEAD, 0, PREFETCH_LOCALITY)
