@@ -462,7 +462,10 @@ static int decode_seq(const float *q, int64_t q_sh, float scale, const void *kc,
 /* How decode attention is cut into work units: whole sequences; with fewer sequences than a few per thread,
  * (sequence, kv head) pairs, and with fewer of those than two per thread, each pair's blocks in `chunks` parts
  * merged afterwards -- at batch 1 one sequence on one thread left the other cores idle through every layer's
- * attention. */
+ * attention. With fewer sequences than two per thread the heads stay together and only the blocks are cut: a
+ * block's rows hold every kv head side by side, so a unit of one head read a third of each row's bytes (at
+ * SmolLM2's 3 kv heads) and the units of the other heads, on the other core, the lines beside them. Batch 1 on
+ * a Zen 4 EPYC (2 vCPUs), int8, 384 tokens of fp32 cache: 53-56 -> 37-45 us of attention per layer. */
 typedef struct {
     int split, per_seq, G, pairs, chunks, heads;
     int64_t part_floats; /* per unit when chunks > 1: [heads][D] normalised partial outputs, then [heads][2] stats */
@@ -470,7 +473,7 @@ typedef struct {
 
 static attn_plan plan_attention(int B, int Hq, int Hkv, int D, int threads) {
     attn_plan pl;
-    pl.split = B < 4 * threads && Hkv > 1;
+    pl.split = B >= 2 * threads && B < 4 * threads && Hkv > 1;
     pl.per_seq = pl.split ? Hkv : 1;
     pl.G = Hq / Hkv;
     pl.pairs = B * pl.per_seq;
