@@ -141,14 +141,22 @@ static inline const float *block_rows(const void *cache, int is_bf16, int64_t bl
 /* Ask for a block's rows one block ahead of use: blocks sit at random places in the pool, too short and too
  * far apart for the hardware prefetchers to follow. Into L1 (prefetcht0): measured ~12% faster than into L2
  * at batch 64; prefetching further ahead was slower. */
-static inline void prefetch_block(const void *cache, int elem, int64_t blk, int64_t sb, int64_t so, int64_t sh,
-                                  int n, int Hkv, int D) {
+static inline void prefetch_rows(const void *cache, int elem, int64_t blk, int64_t sb, int64_t so, int64_t sh,
+                                 int n, int Hkv, int D, int into_l2) {
     const char *base = (const char *)cache + blk * sb * elem;
     for (int o = 0; o < n; o++)
         for (int h = 0; h < Hkv; h++) {
             const char *row = base + (o * so + h * sh) * elem;
-            for (int c = 0; c < D * elem; c += 64) __builtin_prefetch(row + c, 0, 3);
+            for (int c = 0; c < D * elem; c += 64) {
+                if (into_l2) __builtin_prefetch(row + c, 0, 2); /* the hint must be a constant */
+                else __builtin_prefetch(row + c, 0, 3);
+            }
         }
+}
+
+static inline void prefetch_block(const void *cache, int elem, int64_t blk, int64_t sb, int64_t so, int64_t sh,
+                                  int n, int Hkv, int D) {
+    prefetch_rows(cache, elem, blk, sb, so, sh, n, Hkv, D, 0);
 }
 
 /* Ask for every row of blocks table[0 .. nblk) into L2 (prefetcht1) at once. A unit of a short sequence (batch 1:
@@ -160,15 +168,9 @@ static inline void prefetch_block(const void *cache, int elem, int64_t blk, int6
 #define PREFETCH_ALL_MAX_BLOCKS 16
 static void prefetch_all_blocks(const void *cache, int elem, const int32_t *table, int nblk, int len,
                                 int block_size, int64_t sb, int64_t so, int64_t sh, int Hkv, int D) {
-    for (int i = 0; i < nblk; i++) {
-        const char *base = (const char *)cache + table[i] * sb * elem;
-        const int n = len - i * block_size < block_size ? len - i * block_size : block_size;
-        for (int o = 0; o < n; o++)
-            for (int h = 0; h < Hkv; h++) {
-                const char *row = base + (o * so + h * sh) * elem;
-                for (int c = 0; c < D * elem; c += 64) __builtin_prefetch(row + c, 0, 2);
-            }
-    }
+    for (int i = 0; i < nblk; i++)
+        prefetch_rows(cache, elem, table[i], sb, so, sh,
+                      len - i * block_size < block_size ? len - i * block_size : block_size, Hkv, D, 1);
 }
 
 /* The two inner loops of decode attention, for a tile of GT query heads sharing one kv head, with head_dim
