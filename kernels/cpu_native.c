@@ -138,11 +138,12 @@ static inline const float *block_rows(const void *cache, int is_bf16, int64_t bl
     return buf;
 }
 
-/* Ask for a block's rows one block ahead of use: blocks sit at random places in the pool, too short and too
- * far apart for the hardware prefetchers to follow. Into L1 (prefetcht0): measured ~12% faster than into L2
- * at batch 64; prefetching further ahead was slower. */
-static inline void prefetch_rows(const void *cache, int elem, int64_t blk, int64_t sb, int64_t so, int64_t sh,
-                                 int n, int Hkv, int D, int into_l2) {
+/* Ask for a block's rows: one block ahead of use, into L1 (prefetcht0), because blocks sit at random places in the
+ * pool, too short and too far apart for the hardware prefetchers to follow (measured ~12% faster than into L2 at
+ * batch 64; further ahead was slower). into_l2 (prefetcht1) is for asking for a whole unit's rows up front, which
+ * would not fit in L1 (decode_seq's ask_all). */
+static inline void prefetch_block(const void *cache, int elem, int64_t blk, int64_t sb, int64_t so, int64_t sh,
+                                  int n, int Hkv, int D, int into_l2) {
     const char *base = (const char *)cache + blk * sb * elem;
     for (int o = 0; o < n; o++)
         for (int h = 0; h < Hkv; h++) {
@@ -152,25 +153,6 @@ static inline void prefetch_rows(const void *cache, int elem, int64_t blk, int64
                 else __builtin_prefetch(row + c, 0, 3);
             }
         }
-}
-
-static inline void prefetch_block(const void *cache, int elem, int64_t blk, int64_t sb, int64_t so, int64_t sh,
-                                  int n, int Hkv, int D) {
-    prefetch_rows(cache, elem, blk, sb, so, sh, n, Hkv, D, 0);
-}
-
-/* Ask for every row of blocks table[0 .. nblk) into L2 (prefetcht1) at once. A unit of a short sequence (batch 1:
- * a chunk of a few blocks) is latency-bound, not bandwidth-bound: with only the next block asked for, each thread
- * read its KV at ~8 GB/s while the weight streams beside it ran at 17. Asking for all of the unit's K and V rows
- * before its first dot product keeps more lines in flight: batch-1 attention per layer on a Zen 4 EPYC (2 vCPUs,
- * SmolLM2 int8, ~384 cached tokens), medians of 6 alternated pairs each, 40.2 -> 36.9 us over an fp32 cache and
- * 24.8 -> 21.3 us over bf16 (10 of the 12 pairs faster, one level, one slower). */
-#define PREFETCH_ALL_MAX_BLOCKS 16
-static void prefetch_all_blocks(const void *cache, int elem, const int32_t *table, int nblk, int len,
-                                int block_size, int64_t sb, int64_t so, int64_t sh, int Hkv, int D) {
-    for (int i = 0; i < nblk; i++)
-        prefetch_rows(cache, elem, table[i], sb, so, sh,
-                      len - i * block_size < block_size ? len - i * block_size : block_size, Hkv, D, 1);
 }
 
 /* The two inner loops of decode attention, for a tile of GT query heads sharing one kv head, with head_dim
@@ -386,7 +368,12 @@ static inline float row_max16(const float *s, int n) {
  * q: head j at q + j * q_sh (fp32, contiguous D); scores are scaled by `scale`; out: [Hq, D] contiguous;
  * scores: [Hq, round_up(len, 16)] scratch. D % 16 == 0, D <= 16 * MAX_CH. stats (NULL or [Hq][2]) gets each
  * head's score maximum and sum of exp(score - maximum), for merging attention over parts of a sequence.
- * ask_all: a unit of a few sequences' attention (latency-bound): ask for all its K and V rows up front.
+ * ask_all: a unit of a few sequences' attention: ask for all its K and V rows (up to ASK_ALL_MAX_BLOCKS blocks)
+ * before the first dot product. Such a unit is latency-bound, not bandwidth-bound: with only the next block
+ * asked for, each thread read its KV at ~8 GB/s while the weight streams beside it ran at 17. Batch-1 attention
+ * per layer on a Zen 4 EPYC (2 vCPUs, SmolLM2 int8, ~384 cached tokens), medians of 6 alternated pairs each:
+ * 40.2 -> 36.9 us over an fp32 cache, 24.8 -> 21.3 us over bf16 (10 of the 12 pairs faster, one level, one
+ * slower).
  * Returns 0, or 1 if a block id is out of range (nothing is read from it). */
 /* Block i's scores (QK_BLOCK) or its values' share of acc (PV_BLOCK) in decode_seq, from rows of fp32 or of a bf16
  * cache (the matching dispatcher) with row stride RS and head stride HS, in elements. */
@@ -414,6 +401,7 @@ static inline float row_max16(const float *s, int n) {
             }                                                                                                    \
     } while (0)
 
+#define ASK_ALL_MAX_BLOCKS 16 /* 16 fp32 blocks of K and V at SmolLM2's shape: 384 KB, well inside L2 */
 static int decode_seq(const float *q, int64_t q_sh, float scale, const void *kc, const void *vc, int is_bf16,
                       int64_t sb, int64_t so, int64_t sh, const int32_t *table, int64_t num_blocks, int block_size,
                       int len, int Hq, int Hkv, int D, float *scores, float *out, float *stats,
@@ -427,15 +415,15 @@ static int decode_seq(const float *q, int64_t q_sh, float scale, const void *kc,
 
     const int elem = is_bf16 ? 2 : 4;
 #define NEXT_ROWS(i) (len - (i) * block_size < block_size ? len - (i) * block_size : block_size)
-    if (ask_all && nblk <= PREFETCH_ALL_MAX_BLOCKS) {
-        prefetch_all_blocks(kc, elem, table, nblk, len, block_size, sb, so, sh, Hkv, D);
-        prefetch_all_blocks(vc, elem, table, nblk, len, block_size, sb, so, sh, Hkv, D);
+    if (ask_all && nblk <= ASK_ALL_MAX_BLOCKS) {
+        for (int i = 0; i < nblk; i++) prefetch_block(kc, elem, table[i], sb, so, sh, NEXT_ROWS(i), Hkv, D, 1);
+        for (int i = 0; i < nblk; i++) prefetch_block(vc, elem, table[i], sb, so, sh, NEXT_ROWS(i), Hkv, D, 1);
     }
     /* scores[j, t] = scale * q_j . k_t, 16 tokens at a time. */
-    prefetch_block(kc, elem, table[0], sb, so, sh, NEXT_ROWS(0), Hkv, D);
+    prefetch_block(kc, elem, table[0], sb, so, sh, NEXT_ROWS(0), Hkv, D, 0);
     for (int i = 0; i < nblk; i++) {
         const int n = NEXT_ROWS(i);
-        if (i + 1 < nblk) prefetch_block(kc, elem, table[i + 1], sb, so, sh, NEXT_ROWS(i + 1), Hkv, D);
+        if (i + 1 < nblk) prefetch_block(kc, elem, table[i + 1], sb, so, sh, NEXT_ROWS(i + 1), Hkv, D, 0);
 #ifdef DIRECT_BF16_TILES
         if (is_bf16) {
             QK_BLOCK(qk_dispatch_bf16, (const uint16_t *)kc + table[i] * sb, so, sh);
@@ -446,7 +434,7 @@ static int decode_seq(const float *q, int64_t q_sh, float scale, const void *kc,
         const float *k = block_rows(kc, is_bf16, table[i], sb, so, sh, n, Hkv, D, conv, &rs, &hs);
         QK_BLOCK(qk_dispatch, k, rs, hs);
     }
-    prefetch_block(vc, elem, table[0], sb, so, sh, NEXT_ROWS(0), Hkv, D);
+    prefetch_block(vc, elem, table[0], sb, so, sh, NEXT_ROWS(0), Hkv, D, 0);
     /* softmax over t, per head; the score rows are padded to a multiple of 16 (pad: -inf -> exp 0) */
     float inv[MAX_Q_HEADS];
     for (int j = 0; j < Hq; j++) {
@@ -468,7 +456,7 @@ static int decode_seq(const float *q, int64_t q_sh, float scale, const void *kc,
     memset(acc, 0, sizeof(float) * Hq * D);
     for (int i = 0; i < nblk; i++) {
         const int n = NEXT_ROWS(i);
-        if (i + 1 < nblk) prefetch_block(vc, elem, table[i + 1], sb, so, sh, NEXT_ROWS(i + 1), Hkv, D);
+        if (i + 1 < nblk) prefetch_block(vc, elem, table[i + 1], sb, so, sh, NEXT_ROWS(i + 1), Hkv, D, 0);
 #ifdef DIRECT_BF16_TILES
         if (is_bf16) {
             PV_BLOCK(pv_dispatch_bf16, (const uint16_t *)vc + table[i] * sb, so, sh);
