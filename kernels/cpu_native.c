@@ -76,26 +76,7 @@ static inline v16 transpose_sum16(const v16 *a) {
            SHUF(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
-/* exp(x) for x <= 0 (softmax arguments after subtracting the max), 16 lanes, within ~2 ulp:
- * x = n ln2 + r with |r| <= ln2/2 (n rounded to nearest with the 1.5 * 2^23 trick), exp(r) by its
- * degree-7 Taylor polynomial (truncation < 1e-8 relative), times 2^n built in the exponent bits.
- * x < -87 (beyond fp32's normal range) gives 0. */
-#define EXP_NONPOS_BODY(VF, VI)                                                                                  \
-    const VI under = x < -87.0f;                                                                                 \
-    x = (VF)((under & (VI)((VF){0} - 87.0f)) | (~under & (VI)x));                                               \
-    const VF magic = (VF){0} + 12582912.0f;                                                                      \
-    const VF n = (x * 1.44269504088896341f + magic) - magic;                                                     \
-    VF r = x - n * 0.693145751953125f;                                                                           \
-    r = r - n * 1.42860682030941723212e-6f;                                                                      \
-    VF p = r * (1.0f / 5040.0f) + 1.0f / 720.0f;                                                                 \
-    p = p * r + 1.0f / 120.0f;                                                                                   \
-    p = p * r + 1.0f / 24.0f;                                                                                    \
-    p = p * r + 1.0f / 6.0f;                                                                                     \
-    p = p * r + 0.5f;                                                                                            \
-    p = p * r + 1.0f;                                                                                            \
-    p = p * r + 1.0f;                                                                                            \
-    const VI two_n = (__builtin_convertvector(n, VI) + 127) << 23;                                               \
-    return (VF)(~under & (VI)(p * (VF)two_n))
+#include "cpu_exp.h" /* EXP_NONPOS_BODY */
 
 #ifdef __AVX512F__
 static inline v16 exp_nonpos16(v16 x) { EXP_NONPOS_BODY(v16, i16); }

@@ -36,7 +36,10 @@ log = logging.getLogger(__name__)
 
 # cpu_lowp.c: the bf16 / int8 / int4 projections (kernels/cpu_lowp.py wraps them); cpu_decode.c: a whole decode
 # step's layers in one call over these kernels (kernels/cpu_decode.py); cpu_team.c: that step's barriers.
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_native.c", "cpu_lowp.c", "cpu_amx.c", "cpu_decode.c", "cpu_team.c"))
+# cpu_amx_attention.c: bf16 prefill attention on AMX tiles. Headers are hashed with the sources, not compiled alone.
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_native.c", "cpu_lowp.c", "cpu_amx.c", "cpu_amx_attention.c",
+                                                            "cpu_decode.c", "cpu_team.c"))
+HEADERS = (Path(__file__).with_name("cpu_exp.h"),)
 # Small-M linear: above this many rows MKL's GEMM wins (measured on the SmolLM-135M shapes).
 LINEAR_MAX_ROWS = 4
 _FLAGS = ["-O3", "-shared", "-fPIC", "-std=gnu11"]
@@ -112,7 +115,7 @@ def _resolve() -> tuple[ctypes.CDLL | None, str]:
         return None, "no C compiler found (set CC)"
     try:
         version = subprocess.run([compiler, "--version"], check=False, capture_output=True, text=True, timeout=30).stdout
-        source = b"\0".join(p.read_bytes() for p in SOURCES)
+        source = b"\0".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
     except (OSError, subprocess.SubprocessError) as exc:
         return None, f"{compiler}: {exc}"
     errors = []
@@ -182,6 +185,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sy_prefill_attention.argtypes = [p, i64, i64, f32, p, p, i32, i64, i64, i64, i64, i32, p, i64, i64, p, p,
                                          i32, i32, i32, i32, p, p, i64, i32]
     lib.sy_prefill_attention.restype = i32
+    lib.sy_amx_prefill_attention_bf16.argtypes = [p, i64, i64, f32, p, p, i64, i64, i64, i64, i32, p, i64, i64, p, p,
+                                                  i32, i32, i32, i32, p, p, i64, p, i32]
+    lib.sy_amx_prefill_attention_bf16.restype = i32
     lib.sy_linear_f32.argtypes = [p, i64, p, i64, p, p, i64, i32, i64, i64, i32]
     lib.sy_linear_f32.restype = None
     lib.sy_rotary_f32.argtypes = [p, i64, i64, i32, p, i64, i64, i32, i32, i32, p, p, i64, p, p]
@@ -332,6 +338,10 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if int(cu[-1]) - int(cu[0]) != tokens:
         raise ValueError(f"paged_prefill_attention: cu_seqlens_q spans {int(cu[-1]) - int(cu[0])} tokens, q has {tokens}")
     threads = max(1, torch.get_num_threads())
+    if q.dtype == _BF16 and cache_dtype == _BF16:
+        amx = _amx_prefill_attention(lib, q, k_cache, v_cache, tables, cu, lens, scale, threads)
+        if amx is not None:
+            return amx
     per_thread = num_q_heads * ((max(int(lens.max()), 1) + 15) // 16 * 16)
     scores = _scores_buffer(threads * per_thread)
     rc = lib.sy_prefill_attention(
@@ -347,6 +357,34 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if rc != 0:
         return None
     return out if q.dtype == _F32 else out.to(q.dtype)
+
+
+def _amx_prefill_attention(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           tables: torch.Tensor, cu: torch.Tensor, lens: torch.Tensor, scale: float,
+                           threads: int) -> torch.Tensor | None:
+    """bf16 q over a bf16 cache on AMX tiles (cpu_amx_attention.c): bf16 out, or None where the tiles are not
+    there (the CPU, the OS, SWITCHYARD_CPU_AMX=0) or the shape does not fit them (head_dim % 32, block_size % 16)."""
+    if q.stride(2) != 1 or q.stride(1) % 2 or q.stride(0) % 2:
+        q = q.contiguous()
+    tokens, num_q_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    seqs = lens.shape[0]
+    out = torch.empty(tokens, num_q_heads, head_dim, dtype=_BF16)
+    # V^T per (sequence, kv head), each sequence's positions rounded up to the kernel's 64-position chunks
+    capacity = (int(lens.sum()) + 64 * seqs) * num_kv_heads * head_dim
+    vt = torch.empty(capacity, dtype=_BF16)
+    vt_offsets = torch.empty(seqs, dtype=torch.int64)
+    rc = lib.sy_amx_prefill_attention_bf16(
+        q.data_ptr(), q.stride(0), q.stride(1), scale, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
+        k_cache.stride(1), k_cache.stride(2), num_blocks, block_size, tables.data_ptr(), tables.stride(0),
+        tables.shape[1], cu.data_ptr(), lens.data_ptr(), seqs, num_q_heads, num_kv_heads, head_dim, out.data_ptr(),
+        vt.data_ptr(), capacity, vt_offsets.data_ptr(), threads)
+    if rc == 1:
+        raise ValueError(f"paged_prefill_attention: a block table entry is outside the pool of {num_blocks} blocks")
+    if rc == 3:
+        raise ValueError("paged_prefill_attention: a sequence has more new tokens than its length, or needs more "
+                         f"blocks than the {tables.shape[1]} columns of block_tables")
+    return out if rc == 0 else None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:

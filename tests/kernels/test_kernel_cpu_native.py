@@ -128,6 +128,63 @@ def test_prefill_matches_dense(cache_dtype, num_kv_heads, group, head_dim, threa
                                rtol=1e-5)
 
 
+def _amx_tiles(on: bool, monkeypatch) -> None:
+    """AMX tiles on (skips where the CPU or the OS has none) or off, for the kernels built next."""
+    from kernels import cpu_lowp
+
+    monkeypatch.setenv("SWITCHYARD_CPU_AMX", "1" if on else "0")
+    cpu_native.reset()
+    if on and not cpu_lowp.features() & cpu_lowp.FEATURE_AMX_BF16:
+        pytest.skip("no AMX-BF16 tiles on this CPU / OS")
+
+
+@pytest.mark.parametrize("num_kv_heads,group,head_dim", [(3, 3, 64), (1, 4, 32), (2, 2, 128), (1, 1, 96)])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prefill_bf16_on_amx_tiles_matches_dense(num_kv_heads, group, head_dim, block_size, threads, monkeypatch):
+    # bf16 q over a bf16 cache goes to the tile kernel (bf16 out). Cases as above plus chunk edges (64, 65
+    # positions), a prefix longer than a key chunk, and NaN in the slots past every sequence's length: they
+    # share blocks with real rows and must never reach an output.
+    _amx_tiles(True, monkeypatch)
+    cases = [(9, 9), (21, 5), (48, 16), (7, 1), (12, 0), (300, 300), (64, 64), (65, 33), (200, 17)]
+    lens, q_lens = [c for c, _ in cases], [n for _, n in cases]
+    kv = make_paged_kv(lens, num_kv_heads, head_dim, block_size, torch.bfloat16, seed=head_dim + block_size)
+    for b, n in enumerate(lens):
+        last = int(kv.block_tables[b, (n - 1) // block_size])
+        kv.k_cache[last, (n - 1) % block_size + 1:] = float("nan")
+        kv.v_cache[last, (n - 1) % block_size + 1:] = float("nan")
+    q = (2 * torch.randn(sum(q_lens), num_kv_heads * group, head_dim)).bfloat16()
+    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, cu_seqlens(q_lens), kv.context_lens, 0.3)
+    with torch_threads(threads):
+        out = cpu_native.paged_prefill_attention(*args)
+        via_ops = ops.select("cpu").paged_prefill_attention(*args)
+    assert out is not None and out.dtype == torch.bfloat16 and out.shape == q.shape and torch.equal(via_ops, out)
+    dense = dense_prefill(q.float(), q_lens, kv, 0.3)
+    # the probabilities meet V rounded to bf16 (as torch's bf16 flash attention rounds them), the output is bf16
+    torch.testing.assert_close(out.double(), dense, atol=1e-2, rtol=1e-2)
+    _amx_tiles(False, monkeypatch)  # the fp32 kernel on the same inputs: the same answer within that rounding
+    plain = cpu_native.paged_prefill_attention(*args)
+    assert plain is not None and torch.isfinite(plain.float()).all()
+    torch.testing.assert_close(out.float(), plain.float(), atol=1e-2, rtol=1e-2)
+
+
+def test_prefill_bf16_on_amx_tiles_rejects_bad_tables_and_leaves_other_shapes(monkeypatch):
+    _amx_tiles(True, monkeypatch)
+    kv = make_paged_kv([40, 20], 1, 32, 16, torch.bfloat16)
+    q = torch.randn(60, 2, 32).bfloat16()
+    tables = kv.block_tables.clone()
+    tables[0, 2] = kv.k_cache.shape[0]
+    with pytest.raises(ValueError, match="outside the pool"):
+        cpu_native.paged_prefill_attention(q, kv.k_cache, kv.v_cache, tables, cu_seqlens([40, 20]), kv.context_lens,
+                                           0.3)
+    # block_size 4 holds fewer rows than a tile: the fp32 kernel serves it (fp32 out, cast back to bf16)
+    small = make_paged_kv([10], 1, 32, 4, torch.bfloat16)
+    q10 = torch.randn(10, 2, 32).bfloat16()
+    out = cpu_native.paged_prefill_attention(q10, small.k_cache, small.v_cache, small.block_tables,
+                                             cu_seqlens([10]), small.context_lens, 0.3)
+    torch.testing.assert_close(out.double(), dense_prefill(q10.float(), [10], small, 0.3), atol=1e-2, rtol=1e-2)
+
+
 def test_prefill_rejects_bad_tables_and_lengths():
     kv = make_paged_kv([9, 5], 1, 16, 4, torch.float32)
     q = torch.randn(6, 2, 16)
