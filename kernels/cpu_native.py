@@ -37,8 +37,9 @@ log = logging.getLogger(__name__)
 # cpu_lowp.c: the bf16 / int8 / int4 projections (kernels/cpu_lowp.py wraps them); cpu_decode.c: a whole decode
 # step's layers in one call over these kernels (kernels/cpu_decode.py); cpu_team.c: that step's barriers.
 # cpu_amx_attention.c: bf16 prefill attention on AMX tiles. Headers are hashed with the sources, not compiled alone.
+# cpu_bf16_rows.c: the bf16 RMSNorm / rotary / SiLU-and-multiply of the per-op forward.
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_native.c", "cpu_lowp.c", "cpu_amx.c", "cpu_amx_attention.c",
-                                                            "cpu_decode.c", "cpu_team.c"))
+                                                            "cpu_bf16_rows.c", "cpu_decode.c", "cpu_team.c"))
 HEADERS = (Path(__file__).with_name("cpu_exp.h"),)
 # Small-M linear: above this many rows MKL's GEMM wins (measured on the SmolLM-135M shapes).
 LINEAR_MAX_ROWS = 4
@@ -185,6 +186,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sy_prefill_attention.argtypes = [p, i64, i64, f32, p, p, i32, i64, i64, i64, i64, i32, p, i64, i64, p, p,
                                          i32, i32, i32, i32, p, p, i64, i32]
     lib.sy_prefill_attention.restype = i32
+    lib.sy_rms_norm_bf16.argtypes = [p, i64, p, i64, p, p, p, i32, i32, f32, i32]
+    lib.sy_rms_norm_bf16.restype = None
+    lib.sy_rotary_bf16.argtypes = [p, i64, i64, i32, p, i64, i64, i32, i32, i32, p, p, i64, p, p]
+    lib.sy_rotary_bf16.restype = i32
+    lib.sy_silu_mul_bf16.argtypes = [p, i64, p, i32, i32, i32]
+    lib.sy_silu_mul_bf16.restype = None
     lib.sy_amx_prefill_attention_bf16.argtypes = [p, i64, i64, f32, p, p, i64, i64, i64, i64, i32, p, i64, i64, p, p,
                                                   i32, i32, i32, i32, p, p, i64, p, i32]
     lib.sy_amx_prefill_attention_bf16.restype = i32
@@ -500,9 +507,11 @@ def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Packe
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                  cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """As kernels.ops.apply_rotary for fp32 on CPU (new contiguous tensors), or None."""
+    """As kernels.ops.apply_rotary for fp32 or bf16 q and k on CPU (new contiguous tensors), or None."""
     lib = library()
-    if (lib is None or q.dtype != _F32 or k.dtype != _F32 or cos_sin.dtype != _F32 or positions.dtype != _I64
+    dtype = q.dtype
+    if (lib is None or dtype not in (_F32, _BF16) or k.dtype != dtype or cos_sin.dtype != _F32
+            or positions.dtype != _I64
             or q.device.type != "cpu" or k.device.type != "cpu" or cos_sin.device.type != "cpu"
             or q.dim() != 3 or k.dim() != 3 or q.stride(2) != 1 or k.stride(2) != 1 or not cos_sin.is_contiguous()
             or not positions.is_contiguous() or q.requires_grad or k.requires_grad):
@@ -511,9 +520,10 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     if (k.shape[0] != tokens or k.shape[2] != head_dim or head_dim % 2 or cos_sin.dim() != 2
             or cos_sin.shape[1] != head_dim or positions.shape != (tokens,)):
         return None
-    q_out = torch.empty(q.shape, dtype=_F32)
-    k_out = torch.empty(k.shape, dtype=_F32)
-    rc = lib.sy_rotary_f32(q.data_ptr(), q.stride(0), q.stride(1), num_q_heads, k.data_ptr(), k.stride(0),
+    q_out = torch.empty(q.shape, dtype=dtype)
+    k_out = torch.empty(k.shape, dtype=dtype)
+    rotary = lib.sy_rotary_f32 if dtype == _F32 else lib.sy_rotary_bf16
+    rc = rotary(q.data_ptr(), q.stride(0), q.stride(1), num_q_heads, k.data_ptr(), k.stride(0),
                            k.stride(1), k.shape[1], tokens, head_dim, positions.data_ptr(), cos_sin.data_ptr(),
                            cos_sin.shape[0], q_out.data_ptr(), k_out.data_ptr())
     if rc:
@@ -544,32 +554,41 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """As kernels.ops.rms_norm for fp32 on CPU: out, or (out, x + residual); None when not applicable.
-    Within ~1 ulp of the reference (the mean's summation order differs)."""
+    """As kernels.ops.rms_norm for fp32 or bf16 (x, residual and weight alike) on CPU: out, or (out, x + residual);
+    None when not applicable. Within ~1 ulp of the reference (the mean's summation order differs; bf16 rounds
+    where the reference does)."""
     lib = library()
-    if (lib is None or x.dtype != _F32 or weight.dtype != _F32 or x.dim() != 2 or x.device.type != "cpu"
+    dtype = x.dtype
+    if (lib is None or dtype not in (_F32, _BF16) or weight.dtype != dtype or x.dim() != 2 or x.device.type != "cpu"
             or x.stride(1) != 1 or not weight.is_contiguous() or weight.shape != (x.shape[1],)
             or x.requires_grad or weight.requires_grad
-            or (residual is not None and (residual.dtype != _F32 or residual.shape != x.shape
+            or (residual is not None and (residual.dtype != dtype or residual.shape != x.shape
                                           or residual.stride(1) != 1 or residual.requires_grad))):
         return None
     tokens, hidden = x.shape
-    out = torch.empty(tokens, hidden, dtype=_F32)
-    new_res = torch.empty(tokens, hidden, dtype=_F32) if residual is not None else None
-    lib.sy_rms_norm_f32(x.data_ptr(), x.stride(0), residual.data_ptr() if residual is not None else None,
-                        residual.stride(0) if residual is not None else 0, weight.data_ptr(), out.data_ptr(),
-                        new_res.data_ptr() if new_res is not None else None, tokens, hidden, eps)
+    out = torch.empty(tokens, hidden, dtype=dtype)
+    new_res = torch.empty(tokens, hidden, dtype=dtype) if residual is not None else None
+    args = (x.data_ptr(), x.stride(0), residual.data_ptr() if residual is not None else None,
+            residual.stride(0) if residual is not None else 0, weight.data_ptr(), out.data_ptr(),
+            new_res.data_ptr() if new_res is not None else None, tokens, hidden, eps)
+    if dtype == _F32:
+        lib.sy_rms_norm_f32(*args)
+    else:
+        lib.sy_rms_norm_bf16(*args, max(1, torch.get_num_threads()))
     return out if residual is None else (out, new_res)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
-    """As kernels.ops.silu_and_mul for fp32 on CPU, or None. Within a few ulp of the reference."""
+    """As kernels.ops.silu_and_mul for fp32 or bf16 on CPU, or None. Within a few ulp of the reference (bf16:
+    rounded where the reference rounds)."""
     lib = library()
-    if (lib is None or gate_up.dtype != _F32 or gate_up.dim() != 2 or gate_up.device.type != "cpu"
+    dtype = gate_up.dtype
+    if (lib is None or dtype not in (_F32, _BF16) or gate_up.dim() != 2 or gate_up.device.type != "cpu"
             or gate_up.stride(1) != 1 or gate_up.shape[1] % 2 or gate_up.requires_grad):
         return None
     tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty(tokens, inter, dtype=_F32)
-    lib.sy_silu_mul_f32(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), tokens, inter,
+    out = torch.empty(tokens, inter, dtype=dtype)
+    silu_mul = lib.sy_silu_mul_f32 if dtype == _F32 else lib.sy_silu_mul_bf16
+    silu_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), tokens, inter,
                         max(1, torch.get_num_threads()))
     return out
