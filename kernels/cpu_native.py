@@ -243,6 +243,8 @@ class _PerThread(threading.local):
     def __init__(self) -> None:
         self.scores: torch.Tensor | None = None  # decode attention scratch
         self.scores_inference = False
+        self.vt: torch.Tensor | None = None  # AMX prefill attention's V^T scratch
+        self.vt_inference = False
         self.lens: torch.Tensor | None = None  # context_lens of the last call and its max (a step's layers share it)
         self.max_len = 0
 
@@ -366,6 +368,11 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return out if q.dtype == _F32 else out.to(q.dtype)
 
 
+# V^T scratch of one AMX prefill-attention call: a batch's sequences go through the kernel in groups whose V^T fits
+# in this many bytes (a longer sequence alone), so long cached prefixes never make one call allocate gigabytes.
+AMX_PREFILL_SCRATCH_BYTES = 64 << 20
+
+
 def _amx_prefill_attention(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            tables: torch.Tensor, cu: torch.Tensor, lens: torch.Tensor, scale: float,
                            threads: int) -> torch.Tensor | None:
@@ -375,23 +382,43 @@ def _amx_prefill_attention(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Ten
         q = q.contiguous()
     tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
-    seqs = lens.shape[0]
     out = torch.empty(tokens, num_q_heads, head_dim, dtype=_BF16)
+    lens_list, cu_list = lens.tolist(), cu.tolist()
     # V^T per (sequence, kv head), each sequence's positions rounded up to the kernel's 64-position chunks
-    capacity = (int(lens.sum()) + 64 * seqs) * num_kv_heads * head_dim
-    vt = torch.empty(capacity, dtype=_BF16)
-    vt_offsets = torch.empty(seqs, dtype=torch.int64)
-    rc = lib.sy_amx_prefill_attention_bf16(
-        q.data_ptr(), q.stride(0), q.stride(1), scale, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
-        k_cache.stride(1), k_cache.stride(2), num_blocks, block_size, tables.data_ptr(), tables.stride(0),
-        tables.shape[1], cu.data_ptr(), lens.data_ptr(), seqs, num_q_heads, num_kv_heads, head_dim, out.data_ptr(),
-        vt.data_ptr(), capacity, vt_offsets.data_ptr(), threads)
-    if rc == 1:
-        raise ValueError(f"paged_prefill_attention: a block table entry is outside the pool of {num_blocks} blocks")
-    if rc == 3:
-        raise ValueError("paged_prefill_attention: a sequence has more new tokens than its length, or needs more "
-                         f"blocks than the {tables.shape[1]} columns of block_tables")
-    return out if rc == 0 else None
+    vt_values = [(n + 64) * num_kv_heads * head_dim for n in lens_list]
+    vt_offsets = torch.empty(len(lens_list), dtype=torch.int64)
+    start = 0
+    while start < len(lens_list):
+        end, values = start + 1, vt_values[start]
+        while end < len(lens_list) and (values + vt_values[end]) * 2 <= AMX_PREFILL_SCRATCH_BYTES:
+            values += vt_values[end]
+            end += 1
+        vt = _vt_buffer(values)
+        row = cu_list[start] - cu_list[0]  # the kernel numbers q and out rows from its first sequence's
+        rc = lib.sy_amx_prefill_attention_bf16(
+            q.data_ptr() + row * q.stride(0) * 2, q.stride(0), q.stride(1), scale, k_cache.data_ptr(),
+            v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), num_blocks, block_size,
+            tables.data_ptr() + start * tables.stride(0) * 4, tables.stride(0), tables.shape[1],
+            cu.data_ptr() + start * 4, lens.data_ptr() + start * 4, end - start, num_q_heads, num_kv_heads, head_dim,
+            out.data_ptr() + row * num_q_heads * head_dim * 2, vt.data_ptr(), values, vt_offsets.data_ptr(), threads)
+        if rc == 1:
+            raise ValueError(f"paged_prefill_attention: a block table entry is outside the pool of {num_blocks} blocks")
+        if rc == 3:
+            raise ValueError("paged_prefill_attention: a sequence has more new tokens than its length, or needs more "
+                             f"blocks than the {tables.shape[1]} columns of block_tables")
+        if rc != 0:
+            return None  # no tiles (decided before anything is written, the same for every group)
+        start = end
+    return out
+
+
+def _vt_buffer(numel: int) -> torch.Tensor:
+    """This thread's V^T scratch for the AMX prefill attention, kept between calls (every layer of a step needs it)."""
+    inference = torch.is_inference_mode_enabled()
+    s = _local
+    if s.vt is None or s.vt.numel() < numel or s.vt_inference != inference:
+        s.vt, s.vt_inference = torch.empty(max(numel, 1 << 16), dtype=_BF16), inference
+    return s.vt
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -162,6 +162,9 @@ def test_prefill_bf16_on_amx_tiles_matches_dense(num_kv_heads, group, head_dim, 
     dense = dense_prefill(q.float(), q_lens, kv, 0.3)
     # the probabilities meet V rounded to bf16 (as torch's bf16 flash attention rounds them), the output is bf16
     torch.testing.assert_close(out.double(), dense, atol=1e-2, rtol=1e-2)
+    monkeypatch.setattr(cpu_native, "AMX_PREFILL_SCRATCH_BYTES", 300 * num_kv_heads * head_dim * 2)
+    with torch_threads(threads):  # V^T scratch for ~one sequence: the batch goes through in several calls
+        assert torch.equal(cpu_native.paged_prefill_attention(*args), out)
     _amx_tiles(False, monkeypatch)  # the fp32 kernel on the same inputs: the same answer within that rounding
     plain = cpu_native.paged_prefill_attention(*args)
     assert plain is not None and torch.isfinite(plain.float()).all()
