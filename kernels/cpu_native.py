@@ -241,10 +241,9 @@ _F32, _BF16, _I32, _I64 = torch.float32, torch.bfloat16, torch.int32, torch.int6
 
 class _PerThread(threading.local):
     def __init__(self) -> None:
-        self.scores: torch.Tensor | None = None  # decode attention scratch
-        self.scores_inference = False
-        self.vt: torch.Tensor | None = None  # AMX prefill attention's V^T scratch
-        self.vt_inference = False
+        # scratch kept between calls, by use ("scores": attention scores, "vt": AMX prefill attention's V^T):
+        # (tensor, whether made in inference mode)
+        self.buffers: dict[str, tuple[torch.Tensor, bool]] = {}
         self.lens: torch.Tensor | None = None  # context_lens of the last call and its max (a step's layers share it)
         self.max_len = 0
 
@@ -252,12 +251,18 @@ class _PerThread(threading.local):
 _local = _PerThread()
 
 
-def _scores_buffer(numel: int) -> torch.Tensor:
+def _thread_buffer(use: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """This thread's scratch for `use`, at least numel elements, kept between calls (every layer of a step needs
+    it; a tensor made outside inference mode is not reused inside it, nor the other way round)."""
     inference = torch.is_inference_mode_enabled()
-    s = _local
-    if s.scores is None or s.scores.numel() < numel or s.scores_inference != inference:
-        s.scores, s.scores_inference = torch.empty(max(numel, 1 << 16), dtype=_F32), inference
-    return s.scores
+    held = _local.buffers.get(use)
+    if held is None or held[0].numel() < numel or held[1] != inference:
+        held = _local.buffers[use] = (torch.empty(max(numel, 1 << 16), dtype=dtype), inference)
+    return held[0]
+
+
+def _scores_buffer(numel: int) -> torch.Tensor:
+    return _thread_buffer("scores", numel, _F32)
 
 
 def _attention_fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, converted_heads: int) -> bool:
@@ -358,14 +363,19 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         int(cache_dtype == _BF16), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), num_blocks, block_size,
         tables.data_ptr(), tables.stride(0), tables.shape[1], cu.data_ptr(), lens.data_ptr(), seqs, num_q_heads,
         num_kv_heads, head_dim, out.data_ptr(), scores.data_ptr(), per_thread, threads)
+    _raise_prefill_error(rc, num_blocks, tables.shape[1])
+    if rc != 0:
+        return None
+    return out if q.dtype == _F32 else out.to(q.dtype)
+
+
+def _raise_prefill_error(rc: int, num_blocks: int, table_width: int) -> None:
+    """The prefill attention kernels' bad-input codes as errors (1: a block id, 3: a length); others pass."""
     if rc == 1:
         raise ValueError(f"paged_prefill_attention: a block table entry is outside the pool of {num_blocks} blocks")
     if rc == 3:
         raise ValueError("paged_prefill_attention: a sequence has more new tokens than its length, or needs more "
-                         f"blocks than the {tables.shape[1]} columns of block_tables")
-    if rc != 0:
-        return None
-    return out if q.dtype == _F32 else out.to(q.dtype)
+                         f"blocks than the {table_width} columns of block_tables")
 
 
 # V^T scratch of one AMX prefill-attention call: a batch's sequences go through the kernel in groups whose V^T fits
@@ -393,7 +403,7 @@ def _amx_prefill_attention(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Ten
         while end < len(lens_list) and (values + vt_values[end]) * 2 <= AMX_PREFILL_SCRATCH_BYTES:
             values += vt_values[end]
             end += 1
-        vt = _vt_buffer(values)
+        vt = _thread_buffer("vt", values, _BF16)
         row = cu_list[start] - cu_list[0]  # the kernel numbers q and out rows from its first sequence's
         rc = lib.sy_amx_prefill_attention_bf16(
             q.data_ptr() + row * q.stride(0) * 2, q.stride(0), q.stride(1), scale, k_cache.data_ptr(),
@@ -401,24 +411,11 @@ def _amx_prefill_attention(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Ten
             tables.data_ptr() + start * tables.stride(0) * 4, tables.stride(0), tables.shape[1],
             cu.data_ptr() + start * 4, lens.data_ptr() + start * 4, end - start, num_q_heads, num_kv_heads, head_dim,
             out.data_ptr() + row * num_q_heads * head_dim * 2, vt.data_ptr(), values, vt_offsets.data_ptr(), threads)
-        if rc == 1:
-            raise ValueError(f"paged_prefill_attention: a block table entry is outside the pool of {num_blocks} blocks")
-        if rc == 3:
-            raise ValueError("paged_prefill_attention: a sequence has more new tokens than its length, or needs more "
-                             f"blocks than the {tables.shape[1]} columns of block_tables")
+        _raise_prefill_error(rc, num_blocks, tables.shape[1])
         if rc != 0:
             return None  # no tiles (decided before anything is written, the same for every group)
         start = end
     return out
-
-
-def _vt_buffer(numel: int) -> torch.Tensor:
-    """This thread's V^T scratch for the AMX prefill attention, kept between calls (every layer of a step needs it)."""
-    inference = torch.is_inference_mode_enabled()
-    s = _local
-    if s.vt is None or s.vt.numel() < numel or s.vt_inference != inference:
-        s.vt, s.vt_inference = torch.empty(max(numel, 1 << 16), dtype=_BF16), inference
-    return s.vt
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
