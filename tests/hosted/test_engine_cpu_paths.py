@@ -73,3 +73,43 @@ def test_every_cpu_path_matches_transformers(kind, head64_dirs, make_engine, mon
         engine = make_engine(model_dir, max_num_batched_tokens=24)
         assert engine.generate(PROMPTS, params) == want, path
     cpu_native.reset()
+
+
+def test_bf16_prefill_native_as_close_to_transformers_as_the_reference(head64_dirs, make_engine, monkeypatch):
+    """A bf16 model's prefill on the native path (attention on AMX tiles where the CPU has them; RMSNorm, rotary
+    and SiLU-and-multiply in kernels/cpu_bf16_rows.c) against transformers in bf16, next to the torch reference
+    path's own distance from it: bf16 rounds differently with every op order, so no closer bound is owed."""
+    from transformers import AutoModelForCausalLM
+
+    from kernels import cpu_lowp
+    from tests.hosted.test_model_hf_parity import full_prompt_logits
+
+    model_dir, _ = head64_dirs["llama"]
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    prompt = PROMPTS[2] + PROMPTS[3]  # 66 tokens: a partial 16-token query block and 64-position key chunk
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0].float()
+    ran_on_tiles = []
+    tiles = cpu_native._amx_prefill_attention
+
+    def counted(*args):
+        out = tiles(*args)
+        ran_on_tiles.append(out is not None)
+        return out
+
+    monkeypatch.setattr(cpu_native, "_amx_prefill_attention", counted)
+    distance = {}
+    for path, env in (("native", {}), ("reference", {"SWITCHYARD_KERNELS": "reference"})):
+        monkeypatch.delenv("SWITCHYARD_KERNELS", raising=False)
+        for var, value in env.items():
+            monkeypatch.setenv(var, value)
+        cpu_native.reset()
+        logits = full_prompt_logits(make_engine(model_dir, dtype="bfloat16"), prompt)
+        agree = (logits.argmax(-1) == ref.argmax(-1)).float().mean().item()
+        distance[path] = ((logits - ref).abs().max().item(), agree)
+    cpu_native.reset()
+    has_tiles = bool(cpu_lowp.features() & cpu_lowp.FEATURE_AMX_BF16)
+    assert ran_on_tiles and all(ran_on_tiles) == has_tiles  # the native path asked the tiles; they ran where present
+    (native_err, native_agree), (ref_err, ref_agree) = distance["native"], distance["reference"]
+    assert native_err <= 2 * max(ref_err, 1 / 128), distance  # (a bf16 ulp at the logits' size: 1/128)
+    assert native_agree >= min(ref_agree, 0.95) - 0.05, distance
