@@ -1,7 +1,7 @@
 /* Intel AMX tile kernels over the bf16 strips of cpu_lowp.c (compiled into the same library):
  *   sy_amx_ready          1 once the OS lets this process use AMX tile data (asked once, per process)
  *   sy_amx_enable         0: leave the tiles alone (the strip kernels serve every size), 1: use them if allowed
- *   sy_amx_part_bf16      thread t's share of y = x W^T for bf16 x and W, through TDPBF16PS
+ *   sy_amx_part_bf16      a range of strips of y = x W^T for bf16 x and W (a thread's share), through TDPBF16PS
  * Built where the compiler targets AMX-TILE + AMX-BF16 (-march=native on Sapphire Rapids and later); elsewhere
  * sy_amx_ready is 0 and callers keep the AVX512-BF16 / AVX2 strip kernels.
  *
@@ -78,13 +78,15 @@ static void store_c(float *tmp, int rows, const float *bias, float *y, int64_t y
 #define STORE(i)                                                                                                 \
     do {                                                                                                         \
         _tile_stored(i, tmp, 64);                                                                                \
-        const int64_t col = 16 * (g0 + (i));                                                                     \
+        const int64_t col = 16 * (g0 + ja + (i));                                                                \
         store_c(tmp, rows, bias ? bias + col : 0, y + (int64_t)m0 * ys + col, ys, (int)(N - col));               \
     } while (0)
 
-/* Groups [first, last) of the strips: x bf16 [M, K] (row stride xs elements), W bf16 strips (K * 16 elements
- * each, `group` interleaved), y fp32 [M, N] (row stride ys). K % 32 == 0, group <= MAX_GROUP. */
-static void amx_bf16_groups(const uint16_t *x, int64_t xs, int M, int K, const uint16_t *w, int group,
+/* Strips [first, last) of W: x bf16 [M, K] (row stride xs elements), W bf16 strips (K * 16 elements each, `group`
+ * interleaved), y fp32 [M, N] (row stride ys). K % 32 == 0, group <= MAX_GROUP. A range may start or end inside
+ * a tile group (the caller cuts at even strips: two strips' lines are one 128-byte pair, which Intel's adjacent-line
+ * prefetcher fetches together, so neither thread pulls in the other's lines). */
+static void amx_bf16_strips(const uint16_t *x, int64_t xs, int M, int K, const uint16_t *w, int group,
                             const float *bias, float *y, int64_t ys, int64_t N, int64_t first, int64_t last) {
     const int64_t strips = (N + 15) / 16, strip = (int64_t)K * 16;
     float tmp[16 * 16] __attribute__((aligned(64)));
@@ -93,52 +95,55 @@ static void amx_bf16_groups(const uint16_t *x, int64_t xs, int M, int K, const u
      * partial last block of rows the tiles are reconfigured twice per group (ldtilecfg). Rows go in chunks of
      * ROW_CHUNK so the chunk of x stays in L2 while the groups pass (a prefill's 2048 rows did not). */
     for (int c0 = 0; c0 < M; c0 += ROW_CHUNK)
-    for (int64_t gi = first; gi < last; gi++) {
+    for (int64_t gi = first / group; gi * group < last; gi++) {
         const int64_t g0 = gi * group;
         const int ns = strips - g0 < group ? (int)(strips - g0) : group;
-        const char *wg = (const char *)(w + g0 * strip);
+        const int ja = first > g0 ? (int)(first - g0) : 0, jb = last - g0 < ns ? (int)(last - g0) : ns;
+        const int nc = jb - ja; /* this range's strips of the group: C tiles 0 .. nc - 1 */
+        const char *wg = (const char *)(w + g0 * strip) + ja * 64;
         const int64_t bs = (int64_t)ns * 64; /* a strip's next k pair */
         for (int m0 = c0; m0 < M && m0 < c0 + ROW_CHUNK; m0 += 16) {
             const int rows = M - m0 < 16 ? M - m0 : 16;
             if (rows != configured) configure(configured = rows);
             const uint16_t *xa = x + (int64_t)m0 * xs;
             _tile_zero(0);
-            if (ns > 1) _tile_zero(1);
-            if (ns > 2) _tile_zero(2);
-            if (ns > 3) _tile_zero(3);
+            if (nc > 1) _tile_zero(1);
+            if (nc > 2) _tile_zero(2);
+            if (nc > 3) _tile_zero(3);
             for (int k = 0; k < K; k += 32) {
                 const char *b = wg + (int64_t)(k / 2) * bs;
                 _tile_loadd(4, xa + k, xs * 2);
                 _tile_loadd(5, b, bs);
                 _tile_dpbf16ps(0, 4, 5);
-                if (ns > 1) {
+                if (nc > 1) {
                     _tile_loadd(6, b + 64, bs);
                     _tile_dpbf16ps(1, 4, 6);
                 }
-                if (ns > 2) {
+                if (nc > 2) {
                     _tile_loadd(7, b + 128, bs);
                     _tile_dpbf16ps(2, 4, 7);
                 }
-                if (ns > 3) {
+                if (nc > 3) {
                     _tile_loadd(5, b + 192, bs);
                     _tile_dpbf16ps(3, 4, 5);
                 }
             }
             STORE(0);
-            if (ns > 1) STORE(1);
-            if (ns > 2) STORE(2);
-            if (ns > 3) STORE(3);
+            if (nc > 1) STORE(1);
+            if (nc > 2) STORE(2);
+            if (nc > 3) STORE(3);
         }
     }
     _tile_release();
 }
 #undef STORE
 
-/* Returns 1 when it computed the share (AMX usable, K % 32 == 0), 0 when the caller must (nothing written). */
+/* Strips [first, last) of y = x W^T (+ bias). Returns 1 when it computed them (AMX usable, K % 32 == 0), 0 when the
+ * caller must (nothing written). */
 int sy_amx_part_bf16(const uint16_t *x, int64_t xs, int M, int K, const uint16_t *w, int group, const float *bias,
                      float *y, int64_t ys, int64_t N, int64_t first, int64_t last) {
     if (K % 32 || M <= 0 || group < 1 || group > MAX_GROUP || !sy_amx_ready()) return 0;
-    amx_bf16_groups(x, xs, M, K, w, group, bias, y, ys, N, first, last);
+    if (first < last) amx_bf16_strips(x, xs, M, K, w, group, bias, y, ys, N, first, last);
     return 1;
 }
 #else
