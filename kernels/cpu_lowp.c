@@ -6,7 +6,7 @@
  *   sy_linear_q4         likewise for W 4-bit per group along K with a scale and zero point per group
  *   sy_gemm_bf16         y = x W^T, W bf16, x bf16 (or fp32, rounded to bf16 first), fp32 accumulation
  *   sy_quantize_rows_q8, sy_part_*   the same in pieces for the native decode step: rows of x rounded, then
- *                        thread t of n's share of the strip groups (the step puts the barriers between)
+ *                        thread t of n's share of the strips (the step puts the barriers between)
  * Built for AVX-512 (VNNI, BF16) or, without it, AVX2 + FMA + F16C over the same layouts.
  *
  * Weights are stored in strips of 16 output rows, interleaved so that one 64-byte load holds the next few k
@@ -474,20 +474,23 @@ static inline __attribute__((always_inline)) void bf16_tile(const uint16_t *x, i
 }
 #endif
 
-/* The strip-group x row-tile walk shared by the three GEMMs, over groups [G_FIRST, G_LAST) of the NSG-strip
- * groups (the last group may be narrower). TILE(mr, ns, m0, g0, j, ng, ncols) runs one tile with literal mr
- * (1..ROW_TILE) and ns: rows m0.., strips g0 + j.. of the group starting at strip g0 (ng strips, interleaved);
- * tiles TS strips wide (TS divides NSG). */
-#define WALK(NSG, TS, TILE, G_FIRST, G_LAST)                                                                     \
+/* The strip-group x row-tile walk shared by the three GEMMs, over strips [S_FIRST, S_LAST) of the NSG-strip
+ * groups (the last group may be narrower; a range may start or end inside a group). TILE(mr, ns, m0, g0, j, ng,
+ * ncols) runs one tile with literal mr (1..ROW_TILE) and ns: rows m0.., strips g0 + j.. of the group starting at
+ * strip g0 (ng strips, interleaved); tiles TS strips wide (TS divides NSG) over whole groups, one strip wide over
+ * the rest. */
+#define WALK(NSG, TS, TILE, S_FIRST, S_LAST)                                                                     \
     do {                                                                                                         \
         const int64_t strips = (N + 15) / 16;                                                                    \
-        for (int64_t gi = (G_FIRST); gi < (G_LAST); gi++) {                                                      \
+        for (int64_t gi = (S_FIRST) / (NSG); gi * (NSG) < (S_LAST); gi++) {                                      \
             const int64_t g0 = gi * (NSG);                                                                       \
             const int ns = strips - g0 < (NSG) ? (int)(strips - g0) : (NSG);                                     \
+            const int ja = (S_FIRST) > g0 ? (int)((S_FIRST) - g0) : 0;                                           \
+            const int jb = (S_LAST) - g0 < ns ? (int)((S_LAST) - g0) : ns;                                       \
             const int ncols = N - g0 * 16 < 16 * ns ? (int)(N - g0 * 16) : 16 * ns;                              \
             for (int m0 = 0; m0 < M; m0 += ROW_TILE) {                                                           \
                 const int mr = M - m0 < ROW_TILE ? M - m0 : ROW_TILE;                                            \
-                if (ns == (NSG)) {                                                                               \
+                if (ns == (NSG) && ja == 0 && jb == ns) {                                                        \
                     for (int j = 0; j < (NSG); j += (TS)) {                                                      \
                         const int nc = ncols - 16 * j < 16 * (TS) ? ncols - 16 * j : 16 * (TS);                  \
                         switch (mr) {                                                                            \
@@ -500,7 +503,7 @@ static inline __attribute__((always_inline)) void bf16_tile(const uint16_t *x, i
                         }                                                                                        \
                     }                                                                                            \
                 } else {                                                                                         \
-                    for (int j = 0; j < ns; j++) {                                                               \
+                    for (int j = ja; j < jb; j++) {                                                              \
                         const int nc = ncols - 16 * j < 16 ? ncols - 16 * j : 16;                                \
                         switch (mr) {                                                                            \
                         case 1: TILE(1, 1, m0, g0, j, ns, nc); break;                                            \
@@ -516,17 +519,11 @@ static inline __attribute__((always_inline)) void bf16_tile(const uint16_t *x, i
         }                                                                                                        \
     } while (0)
 
-/* Thread t of nt takes a contiguous share of the tile groups (each weight byte read by one core at decode);
- * small products run on thread 0 alone. */
-static inline void group_share(int64_t N, int nsg, int64_t work, int t, int nt, int64_t *first, int64_t *last) {
-    const int64_t groups = ((N + 15) / 16 + nsg - 1) / nsg;
-    nt = threads_for(work, nt);
-    *first = t < nt ? groups * t / nt : 0;
-    *last = t < nt ? groups * (t + 1) / nt : 0;
-}
-
-/* As group_share in strips, cut at even strips (a pair's lines share a 128-byte block): thread t of nt's range
- * [first, last) of the ceil(N / 16) strips. */
+/* Thread t of nt takes a contiguous range [first, last) of the ceil(N / 16) strips (each weight byte read by one
+ * core at decode), cut at even strips: a pair's lines share a 128-byte block, which Intel's adjacent-line
+ * prefetcher fetches together. Cut in tile groups instead, SmolLM2's 576-wide projections (9 groups of 4 bf16
+ * strips) went 4 / 5 and one thread waited ~830 us of a 10 ms batch-1 step at the barriers (AMX Xeon). Small
+ * products run on thread 0 alone. */
 static inline void strip_share(int64_t N, int64_t work, int t, int nt, int64_t *first, int64_t *last) {
     const int64_t strips = (N + 15) / 16;
     nt = threads_for(work, nt);
@@ -586,7 +583,7 @@ void sy_part_linear_q8(int M, int K, const void *scratch, const uint8_t *w, cons
     q8_split((void *)scratch, M, K, &xq, &xs, &xsum);
     const int64_t strip = (int64_t)K * 16, nb = K / QBLOCK;
     int64_t first, last;
-    group_share(N, GROUP_Q8, (int64_t)M * N * K / 4, t, nt, &first, &last);
+    strip_share(N, (int64_t)M * N * K / 4, t, nt, &first, &last);
 #define Q8(MR, NS, m0, g0, j, ng, nc)                                                                            \
     q8_tile(xq + (int64_t)(m0)*K, xs + (int64_t)(m0)*nb, xsum + (int64_t)(m0)*nb, K, MR, NS,                   \
             w + (g0)*strip + (j)*64, 64, (ng)*64, scales + ((g0) + (j)) * 16, bias ? bias + ((g0) + (j)) * 16 : NULL,  \
@@ -620,7 +617,7 @@ void sy_part_linear_q4(int M, int K, const void *scratch, const uint8_t *w, cons
     q8_split((void *)scratch, M, K, &xq, &xs, &xsum);
     const int64_t strip = (int64_t)K * 8, sz_strip = (int64_t)(K / gs) * 32, nb = K / QBLOCK;
     int64_t first, last;
-    group_share(N, GROUP_Q4, (int64_t)M * N * K / 8, t, nt, &first, &last);
+    strip_share(N, (int64_t)M * N * K / 8, t, nt, &first, &last);
 #define Q4(MR, NS, m0, g0, j, ng, nc)                                                                            \
     q4_tile(xq + (int64_t)(m0)*K, xs + (int64_t)(m0)*nb, xsum + (int64_t)(m0)*nb, K, MR, NS,                   \
             w + ((g0) + (j)) * strip, strip, 64, sz + ((g0) + (j)) * sz_strip, sz_strip, gs,                     \
@@ -659,12 +656,9 @@ void sy_part_gemm_bf16(const uint16_t *x, int64_t xs, int M, int K, const uint16
 #ifdef SY_BF16_KERNELS
     const int64_t strip = (int64_t)K * 16, work = (int64_t)M * N * K / 2;
     int64_t first, last;
-    /* AMX at every row count: at batch 1 it reads the weights as fast as the strips (measured). Its share is cut
-     * in strips, not tile groups: SmolLM2's 576-wide o and down projections are 9 groups of 4, split 4 / 5, and
-     * at batch 1 the thread with 4 waited 190 and 460 us a step (of ~10 ms) at the barrier after them. */
     strip_share(N, work, t, nt, &first, &last);
+    /* AMX at every row count: at batch 1 it reads the weights as fast as the strips (measured) */
     if (sy_amx_part_bf16(x, xs, M, K, w, GROUP_BF16, bias, y, ys, N, first, last)) return;
-    group_share(N, GROUP_BF16, work, t, nt, &first, &last);
 #define BF(MR, NS, m0, g0, j, ng, nc)                                                                            \
     bf16_tile(x + (int64_t)(m0)*xs, xs, K, MR, NS, w + (g0)*strip + (j)*32, (ng)*32,                             \
               bias ? bias + ((g0) + (j)) * 16 : NULL, y + (int64_t)(m0)*ys + ((g0) + (j)) * 16, ys, nc)
