@@ -8,14 +8,14 @@
  * 100 GFLOP/s on two cores of an AMX Xeon; a 64-prompt batch of 32-512 tokens spends ~200 GFLOP there in a
  * SmolLM2-sized model. Here 16 queries share every K and V tile a TDPBF16PS multiplies, as flash attention does.
  *
- * Per unit (one sequence, one q head, 16 consecutive new tokens) the keys go by in chunks of 32 positions:
- *   S^T (32 positions x 16 queries) = K (16 positions x 32 d, loaded from the cache as it lies) . Q^T
+ * Per unit (one sequence, one q head, 16 consecutive new tokens) the keys go by in chunks of 64 positions:
+ *   S^T (64 positions x 16 queries, four tiles) = K (16 positions x 32 d, loaded from the cache as it lies) . Q^T
  *       (B tile: the 16 queries' d pairs, repacked once per unit), so one key position is one 16-lane row and
  *       the online softmax's max / sum per query are lane-wise vector ops;
- *   O^T (D x 16 queries, fp32, in memory) = O^T * alpha + V^T (16 d x 32 positions) . P^T (B tile: the
+ *   O^T (D x 16 queries, fp32, in memory) = O^T * alpha + V^T (16 d x 32 positions) . P^T (two B tiles: the
  *       probabilities rounded to bf16, position pairs interleaved, as torch's bf16 flash attention rounds them).
  * V^T per (sequence, kv head) is written once into the caller's scratch before the units run (the one repack:
- * the cache holds V position-major and the tile multiply wants the 32 positions of a d row side by side). */
+ * the cache holds V position-major and the tile multiply wants a d row's positions side by side). */
 #include <stdint.h>
 #include <string.h>
 
@@ -29,6 +29,7 @@
 #include "cpu_exp.h"
 #endif
 
+#ifdef SY_HAVE_AMX_ATTENTION
 #define UNIT_QUERIES 16
 #define KEY_CHUNK 64 /* positions per softmax step: four 16-position S^T tiles, two 32-position P^T tiles */
 #define MAX_D 256
@@ -38,7 +39,6 @@ int sy_amx_ready(void); /* cpu_amx.c */
 /* V^T scratch per sequence: positions rounded up to the key chunk, so a chunk's tile never reads past it */
 static int64_t vt_len(int64_t len) { return (len + KEY_CHUNK - 1) / KEY_CHUNK * KEY_CHUNK; }
 
-#ifdef SY_HAVE_AMX_ATTENTION
 typedef float f16v __attribute__((vector_size(64)));
 typedef int32_t i16v __attribute__((vector_size(64)));
 static inline __m512 exp_nonpos(__m512 v) {
@@ -114,7 +114,6 @@ typedef struct {
     uint16_t *out;
 } prefill_args;
 
-#define TILE_DP(c, x, y) _tile_dpbf16ps(c, x, y)
 /* C tile `i` (a compile-time constant in each case) */
 #define ON_TILE(i, STMT)                                                                                         \
     switch (i) {                                                                                                 \
@@ -162,7 +161,7 @@ static int unit(const prefill_args *a, int p, int hq, int t0, int rows) {
             for (int d0 = 0; d0 < D; d0 += 32) {
                 _tile_loadd(4, k + d0, a->so * 2);
                 _tile_loadd(5, qt + d0 * UNIT_QUERIES, 64);
-#define S_DP(i) TILE_DP(i, 4, 5)
+#define S_DP(i) _tile_dpbf16ps(i, 4, 5)
                 ON_TILE(qq, S_DP)
             }
         }
@@ -206,9 +205,9 @@ static int unit(const prefill_args *a, int p, int hq, int t0, int rows) {
     do {                                                                                                         \
         _tile_zero(i);                                                                                           \
         _tile_loadd(4, v, vts * 2);                                                                              \
-        TILE_DP(i, 4, 5);                                                                                        \
+        _tile_dpbf16ps(i, 4, 5);                                                                                        \
         _tile_loadd(4, v + 32, vts * 2);                                                                         \
-        TILE_DP(i, 4, 6);                                                                                        \
+        _tile_dpbf16ps(i, 4, 6);                                                                                        \
     } while (0)
                 ON_TILE(db, PV_DP)
             }
@@ -300,7 +299,6 @@ int sy_amx_prefill_attention_bf16(const uint16_t *q, int64_t q_st, int64_t q_sh,
     (void)q, (void)q_st, (void)q_sh, (void)scale, (void)k_cache, (void)v_cache, (void)sb, (void)so, (void)sh,
         (void)num_blocks, (void)block_size, (void)tables, (void)table_stride, (void)table_width, (void)cu, (void)lens,
         (void)P, (void)Hq, (void)Hkv, (void)D, (void)out, (void)vt, (void)vt_capacity, (void)vt_off, (void)threads;
-    (void)vt_len;
     return 2;
 }
 #endif

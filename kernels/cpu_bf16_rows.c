@@ -10,6 +10,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_bf16.h" /* bf16_round, bf16_widen */
 #include "cpu_exp.h"
 
 typedef float f16v __attribute__((vector_size(64), aligned(4)));
@@ -19,19 +20,12 @@ typedef uint32_t u32x16 __attribute__((vector_size(64)));
 
 static inline f16v exp_nonpos(f16v x) { EXP_NONPOS_BODY(f16v, i16v); }
 
-static inline float bf16_to_f32(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-/* round to nearest even, NaN kept a (quiet) NaN, as c10::BFloat16 */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+/* f rounded to bf16 (as bf16_round, 16 lanes) and widened back: an intermediate the reference keeps in bf16 */
+static inline f16v round16(f16v f) {
+    const u32x16 u = (u32x16)f;
+    const u32x16 nan = (u32x16)((u & 0x7fffffffu) > 0x7f800000u);
+    const u32x16 r = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    return (f16v)((nan & 0x7fc00000u) | (~nan & r));
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -46,21 +40,8 @@ static inline f16v load16(const uint16_t *p) {
     const u16x16 h = *(const u16x16 *)p;
     return (f16v)(__builtin_convertvector(h, u32x16) << 16);
 }
-static inline void store16(uint16_t *p, f16v f) {
-    const u32x16 u = (u32x16)f;
-    const u32x16 nan = (u32x16)((u & 0x7fffffffu) > 0x7f800000u);
-    const u32x16 r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    *(u16x16 *)p = __builtin_convertvector((nan & 0x7fc0u) | (~nan & r), u16x16);
-}
+static inline void store16(uint16_t *p, f16v f) { *(u16x16 *)p = __builtin_convertvector((u32x16)round16(f) >> 16, u16x16); }
 #endif
-
-/* f rounded to bf16 and widened back (an intermediate the reference keeps in bf16) */
-static inline f16v round16(f16v f) {
-    const u32x16 u = (u32x16)f;
-    const u32x16 nan = (u32x16)((u & 0x7fffffffu) > 0x7f800000u);
-    const u32x16 r = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-    return (f16v)((nan & 0x7fc00000u) | (~nan & r));
-}
 
 /* s = bf16(x + res) (kept as new_res) or x; out = bf16(w * bf16(s * (1 / sqrt(mean(s^2) + eps)))).
  * Rows of x and res at t * stride, outputs contiguous [T, H]. */
@@ -75,19 +56,19 @@ void sy_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *res, 
             const uint16_t *rr = res + t * res_stride;
             uint16_t *nr = new_res + (int64_t)t * H;
             for (int i = 0; i < hv; i += 16) store16(nr + i, load16(s + i) + load16(rr + i));
-            for (int i = hv; i < H; i++) nr[i] = f32_to_bf16(bf16_to_f32(s[i]) + bf16_to_f32(rr[i]));
+            for (int i = hv; i < H; i++) nr[i] = bf16_round(bf16_widen(s[i]) + bf16_widen(rr[i]));
             s = nr;
         }
         f16v acc = {0};
         for (int i = 0; i < hv; i += 16) acc += load16(s + i) * load16(s + i);
         float sum = 0.0f;
         for (int i = 0; i < 16; i++) sum += acc[i];
-        for (int i = hv; i < H; i++) sum += bf16_to_f32(s[i]) * bf16_to_f32(s[i]);
+        for (int i = hv; i < H; i++) sum += bf16_widen(s[i]) * bf16_widen(s[i]);
         const float inv = 1.0f / sqrtf(sum / (float)H + eps);
         uint16_t *o = out + (int64_t)t * H;
         for (int i = 0; i < hv; i += 16) store16(o + i, load16(w + i) * round16(load16(s + i) * inv));
         for (int i = hv; i < H; i++)
-            o[i] = f32_to_bf16(bf16_to_f32(w[i]) * bf16_to_f32(f32_to_bf16(bf16_to_f32(s[i]) * inv)));
+            o[i] = bf16_round(bf16_widen(w[i]) * bf16_widen(bf16_round(bf16_widen(s[i]) * inv)));
     }
 }
 
@@ -106,10 +87,10 @@ static int rotary_one(const uint16_t *x, int64_t x_st, int64_t x_sh, int T, int 
             const uint16_t *xr = x + t * x_st + h * x_sh;
             uint16_t *o = out + ((int64_t)t * H + h) * D;
             for (int i = 0; i < half; i++) {
-                const float x1 = bf16_to_f32(xr[i]), x2 = bf16_to_f32(xr[i + half]);
+                const float x1 = bf16_widen(xr[i]), x2 = bf16_widen(xr[i + half]);
                 const float a = x1 * cs[i], b = x2 * cs[half + i], c = x2 * cs[i], d = x1 * cs[half + i];
-                o[i] = f32_to_bf16(a - b);
-                o[i + half] = f32_to_bf16(c + d);
+                o[i] = bf16_round(a - b);
+                o[i + half] = bf16_round(c + d);
             }
         }
     }
@@ -136,8 +117,8 @@ static void silu_mul_row(const uint16_t *g, uint16_t *o, int inter) {
         store16(o + i, round16(num / (1.0f + e)) * load16(u + i));
     }
     for (int i = iv; i < inter; i++) {
-        const float x = bf16_to_f32(g[i]), e = expf(-fabsf(x));
-        o[i] = f32_to_bf16(bf16_to_f32(f32_to_bf16((x < 0.0f ? x * e : x) / (1.0f + e))) * bf16_to_f32(u[i]));
+        const float x = bf16_widen(g[i]), e = expf(-fabsf(x));
+        o[i] = bf16_round(bf16_widen(bf16_round((x < 0.0f ? x * e : x) / (1.0f + e))) * bf16_widen(u[i]));
     }
 }
 

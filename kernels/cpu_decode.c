@@ -15,6 +15,8 @@
  * with barriers between ops. */
 #include <stdint.h>
 #include <string.h>
+
+#include "cpu_bf16.h" /* bf16_round, bf16_widen */
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -87,13 +89,6 @@ typedef struct {
 enum { ERR_BLOCK = -1, ERR_TABLE = -3, ERR_POSITION = -4, ERR_SLOT = -5, ERR_NO_HEAD = -7 }; /* (-2, -6 retired) */
 
 static inline int64_t align64(int64_t bytes) { return (bytes + 63) & ~(int64_t)63; }
-
-static inline uint16_t bf16_round(float f) { /* round to nearest even; NaN stays NaN (quiet) */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 static void to_bf16(const float *x, int64_t n, uint16_t *out) {
     for (int64_t i = 0; i < n; i++) out[i] = bf16_round(x[i]);
@@ -440,10 +435,7 @@ int64_t sy_decode_greedy(const sy_model *m, const void *embed, int embed_bf16, i
             float *row = hidden_in + (int64_t)b * H;
             if (embed_bf16) {
                 const uint16_t *e = (const uint16_t *)embed + tok[b] * H;
-                for (int i = 0; i < H; i++) {
-                    const uint32_t u = (uint32_t)e[i] << 16;
-                    memcpy(row + i, &u, 4);
-                }
+                for (int i = 0; i < H; i++) row[i] = bf16_widen(e[i]);
             } else {
                 memcpy(row, (const float *)embed + tok[b] * H, sizeof(float) * H);
             }

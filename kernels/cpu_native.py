@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 # cpu_bf16_rows.c: the bf16 RMSNorm / rotary / SiLU-and-multiply of the per-op forward.
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_native.c", "cpu_lowp.c", "cpu_amx.c", "cpu_amx_attention.c",
                                                             "cpu_bf16_rows.c", "cpu_decode.c", "cpu_team.c"))
-HEADERS = (Path(__file__).with_name("cpu_exp.h"),)
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_exp.h", "cpu_bf16.h"))
 # Small-M linear: above this many rows MKL's GEMM wins (measured on the SmolLM-135M shapes).
 LINEAR_MAX_ROWS = 4
 _FLAGS = ["-O3", "-shared", "-fPIC", "-std=gnu11"]
@@ -341,21 +341,21 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     cache_dtype = k_cache.dtype
-    out = torch.empty(tokens, num_q_heads, head_dim, dtype=_F32)
     seqs = context_lens.shape[0]
     if tokens == 0 or seqs == 0:
-        return out.to(q.dtype)
-    qf = q if q.dtype == _F32 and q.stride(2) == 1 else q.float().contiguous()
+        return torch.empty(tokens, num_q_heads, head_dim, dtype=q.dtype)
     lens = context_lens.to(_I32).contiguous()
     cu = cu_seqlens_q.to(_I32).contiguous()
     tables = block_tables.to(_I32).contiguous()
     if int(cu[-1]) - int(cu[0]) != tokens:
         raise ValueError(f"paged_prefill_attention: cu_seqlens_q spans {int(cu[-1]) - int(cu[0])} tokens, q has {tokens}")
     threads = max(1, torch.get_num_threads())
-    if q.dtype == _BF16 and cache_dtype == _BF16:
+    if q.dtype == _BF16 and cache_dtype == _BF16:  # before any fp32 copy of q: the tiles read it as it is
         amx = _amx_prefill_attention(lib, q, k_cache, v_cache, tables, cu, lens, scale, threads)
         if amx is not None:
             return amx
+    out = torch.empty(tokens, num_q_heads, head_dim, dtype=_F32)
+    qf = q if q.dtype == _F32 and q.stride(2) == 1 else q.float().contiguous()
     per_thread = num_q_heads * ((max(int(lens.max()), 1) + 15) // 16 * 16)
     scores = _scores_buffer(threads * per_thread)
     rc = lib.sy_prefill_attention(
@@ -388,7 +388,7 @@ def _amx_prefill_attention(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Ten
                            threads: int) -> torch.Tensor | None:
     """bf16 q over a bf16 cache on AMX tiles (cpu_amx_attention.c): bf16 out, or None where the tiles are not
     there (the CPU, the OS, SWITCHYARD_CPU_AMX=0) or the shape does not fit them (head_dim % 32, block_size % 16)."""
-    if q.stride(2) != 1 or q.stride(1) % 2 or q.stride(0) % 2:
+    if q.stride(2) != 1 or q.stride(1) % 2 or q.stride(0) % 2:  # the kernel reads q's d pairs as 32-bit words
         q = q.contiguous()
     tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
