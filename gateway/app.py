@@ -212,6 +212,7 @@ async def health(request: Request) -> Response:
     states = _backend_states(gw)
     unserved = backend_health.unserved_routes(policy, states)
     return JSONResponse({"status": "degraded" if unserved else "ok", "policy_version": policy.version,
+                         "policy": services.policy_store.status(),  # the file's state, last reload error
                          "backends": states, "unserved_routes": unserved,
                          "ledger_queue": ledger.queue_depth, "database": ledger.db_available})
 

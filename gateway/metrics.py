@@ -19,6 +19,10 @@ BREAKER_STATE = Gauge("switchyard_backend_circuit_state", "Circuit breaker: 0 cl
 BACKEND_UP = Gauge("switchyard_backend_up", "1 when the backend is up, 0 when down or its circuit is open "
                    "(as /health reports it)", ["backend"])
 POLICY_INFO = Gauge("switchyard_policy_version_info", "The live policy version (value 1)", ["version"])
+POLICY_RELOAD_ERRORS = Counter("switchyard_policy_reload_errors_total", "Policy file changes not taken "
+                               "(reason: invalid, missing); the last good policy keeps serving", ["reason"])
+POLICY_RELOAD_FAILING = Gauge("switchyard_policy_reload_failing", "1 while the policy file on disk is invalid "
+                              "or missing (the live policy is older than the file), else 0")
 ENGINE_RESTARTS = Counter("switchyard_embedded_engine_restarts_total", "Embedded engine restarts", ["backend"])
 LOOP_LAG = Histogram("switchyard_event_loop_lag_seconds", "How late the event loop wakes a 0.25 s timer "
                      "(anything blocking the request path shows here)",

@@ -9,7 +9,9 @@ Every problem is reported with the YAML line it came from (gateway/policy_diagno
 from __future__ import annotations
 
 import hashlib
+import os
 import re
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,9 +20,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gateway.policy_diagnostics import (
+    MAX_POLICY_BYTES,
     Marks,
     PolicyError,
     PolicyIssue,
+    check_size,
     from_pydantic,
     issue_at,
     read_yaml,
@@ -38,7 +42,9 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Every number in a policy is finite: `.inf` / `.nan` (YAML floats) or "inf" would pass `ge=0` checks and
+    # then price requests at infinity or nan.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class CapabilitySpec(_Strict):
@@ -156,19 +162,31 @@ class Policy(_Strict):
 
 
 def load_policy(path: str | Path) -> Policy:
-    """Read and validate a policy file. Raises PolicyError naming the file, field and fix."""
+    """Read and validate a policy file. Raises PolicyError naming the file, field and fix.
+    Blocking and bounded (file size, YAML expansion: gateway/policy_diagnostics.py): the gateway calls it
+    in a thread, never on its event loop."""
     p = Path(path)
     try:
-        data = p.read_bytes()
+        data = _read_bounded(p)
     except OSError as e:
         raise PolicyError([PolicyIssue(str(p), "", f"cannot read file ({e.strerror or e})",
                                        "check the path given with --policy")]) from None
+    check_size(len(data), str(p))
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise PolicyError([PolicyIssue(str(p), "", f"not UTF-8 text ({e.reason} at byte {e.start})",
                                        "save the file as UTF-8")]) from None
     return parse_policy(text, str(p))
+
+
+def _read_bounded(p: Path) -> bytes:
+    """At most one byte past the size limit (enough to refuse it), and only from a regular file: a FIFO or a
+    device would block or never end."""
+    with open(p, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise OSError(f"{p} is not a regular file")
+        return f.read(MAX_POLICY_BYTES + 1)
 
 
 def parse_policy(text: str, source: str) -> Policy:

@@ -3,6 +3,14 @@
 Reads YAML while remembering where each key and item starts, and turns YAML syntax errors, duplicate
 keys and pydantic validation errors into `PolicyIssue`s. It knows nothing of the policy's schema:
 gateway/policy.py passes in what it must know (which fields a location allows).
+
+Limits, so that no file can make the reader spin or crash (a policy is a few KB; these are generous):
+- MAX_POLICY_BYTES (1 MiB): a bigger file is refused before it is read in full;
+- MAX_YAML_NODES (100,000 values, counted after YAML aliases are expanded): an "alias bomb" (billion
+  laughs) is refused while it is composed, at the line of the alias that crosses the limit, before anything
+  walks, constructs or validates the expanded document;
+- MAX_YAML_DEPTH (64 levels of nesting) instead of a RecursionError; an alias used inside the value it
+  names (a recursive document) is refused too.
 """
 from __future__ import annotations
 
@@ -15,6 +23,10 @@ from typing import Any
 import yaml
 
 Marks = dict[tuple, tuple[int, int]]  # path in the document -> (1-based line, column) where it starts
+
+MAX_POLICY_BYTES = 1 << 20
+MAX_YAML_NODES = 100_000
+MAX_YAML_DEPTH = 64
 
 
 @dataclass(slots=True)
@@ -48,13 +60,90 @@ class PolicyError(Exception):
 # ---------------------------------------------------------------- YAML with line numbers
 
 
+def check_size(nbytes: int, source: str) -> None:
+    """Refuse a policy larger than MAX_POLICY_BYTES."""
+    if nbytes > MAX_POLICY_BYTES:
+        raise PolicyError([PolicyIssue(source, "", f"the file is larger than {MAX_POLICY_BYTES >> 20} MiB "
+                                       f"({nbytes:,} bytes or more)",
+                                       "a policy is a few KB: check that this is the right file")])
+
+
+class _TooBig(Exception):
+    def __init__(self, issue: PolicyIssue):
+        self.issue = issue
+
+
 class _Loader(yaml.SafeLoader):
-    pass
+    """A SafeLoader that counts, while composing, how many values each node stands for once aliases are
+    expanded (the expansion itself never happens: an alias is the anchored node, shared), and refuses a
+    document past MAX_YAML_NODES or MAX_YAML_DEPTH. Composing is linear in the file's size, so a refusal
+    costs no more than reading the file."""
+
+    def __init__(self, text: str, source: str):
+        super().__init__(text)
+        self._source = source
+        self._sizes: dict[int, int] = {}  # id(node) -> values it stands for, aliases expanded
+        self._path: list = []  # where the node being composed is: keys and item indexes
+        self._last_alias: tuple[str, yaml.Mark, tuple] | None = None
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
+        here = (*self._path, _step(index))
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            node = super().compose_node(parent, index)
+            if id(node) not in self._sizes:  # the anchored node is still open: the alias is inside it
+                raise self._refuse(event.start_mark, here, f"the alias *{event.anchor} is used inside the "
+                                   "value it names", "remove the alias; a setting cannot contain itself")
+            self._last_alias = (event.anchor, event.start_mark, here)
+            return node
+        if len(self._path) >= MAX_YAML_DEPTH:
+            raise self._refuse(self.peek_event().start_mark, here, f"values are nested deeper than "
+                               f"{MAX_YAML_DEPTH} levels", "a policy needs a few levels: flatten this value")
+        self._path.append(here[-1])
+        try:
+            node = super().compose_node(parent, index)
+        finally:
+            self._path.pop()
+        self._sizes[id(node)] = size = 1 + sum(self._sizes[id(child)] for child in _children(node))
+        if size > MAX_YAML_NODES:
+            raise self._too_many(node, here, size)
+        return node
+
+    def _too_many(self, node: yaml.Node, here: tuple, size: int) -> _TooBig:
+        alias = self._last_alias  # blamed when it lies inside the node that grew too big
+        if alias is not None and node.start_mark.index <= alias[1].index <= node.end_mark.index:
+            anchor, mark, where = alias
+            stands_for = self._sizes[id(self.anchors[anchor])]
+            return self._refuse(mark, where, f"YAML aliases expand the document past {MAX_YAML_NODES:,} values "
+                                f"(*{anchor} here stands for {stands_for:,}; an alias bomb?)",
+                                "write the shared values out, or nest fewer aliases")
+        return self._refuse(node.start_mark, here, f"the document has more than {MAX_YAML_NODES:,} values "
+                            f"({size:,} here)", "a policy needs far fewer: check that this is the right file")
+
+    def _refuse(self, mark: yaml.Mark, path: tuple, problem: str, fix: str) -> _TooBig:
+        return _TooBig(PolicyIssue(self._source, fmt_path(p for p in path if p is not None), problem, fix,
+                                   mark.line + 1, mark.column + 1))
+
+
+def _step(index: Any) -> str | int | None:
+    """The path step PyYAML's `index` names: a mapping value's key, a sequence position, None for keys."""
+    if isinstance(index, yaml.ScalarNode):
+        return index.value
+    return index if isinstance(index, int) else None
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    if isinstance(node, yaml.SequenceNode):
+        return node.value
+    return []
 
 
 def read_yaml(text: str, source: str) -> tuple[Any, Marks]:
     """Parse YAML and remember where every key and item starts (1-based line, column)."""
-    loader = _Loader(text)
+    check_size(len(text.encode("utf-8", "surrogatepass")), source)
+    loader = _Loader(text, source)
     try:
         node = loader.get_single_node()
         if node is None:
@@ -74,6 +163,8 @@ def read_yaml(text: str, source: str) -> tuple[Any, Marks]:
                                        mark.column + 1 if mark else None)]) from None
     except yaml.YAMLError as e:
         raise PolicyError([PolicyIssue(source, "", f"YAML error: {e}", "fix the YAML syntax")]) from None
+    except _TooBig as e:
+        raise PolicyError([e.issue]) from None
     finally:
         loader.dispose()
 
@@ -160,5 +251,8 @@ def from_pydantic(err: dict, source: str, marks: Marks, allowed_fields: Callable
     if kind == "list_type":
         return issue_at(source, loc, marks, f"expected a list, got {typename(value)}",
                         f"write it as a list, e.g. [{value}]" if isinstance(value, str) else "write it as [a, b]")
+    if kind == "finite_number":
+        return issue_at(source, loc, marks, f"expected a finite number, got {value!r}",
+                        "write a number (prices, rates and limits cannot be .inf or .nan)")
     msg = err["msg"].removeprefix("Value error, ")
     return issue_at(source, loc, marks, f"{msg} (got {value!r})", "change the value to one that fits")

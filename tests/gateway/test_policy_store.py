@@ -89,7 +89,7 @@ async def test_valid_edit_is_swapped_in_and_invalid_edit_rejected(tmp_path: Path
 async def test_touch_without_change_keeps_version_and_failing_callback_does_not_stop_watch(tmp_path: Path) -> None:
     path = tmp_path / "p.yaml"
     path.write_text(BASE)
-    store = PolicyStore(path, poll_interval_s=10)  # drive it by hand
+    store = PolicyStore(path, poll_interval_s=10, settle_s=0)  # drive it by hand
     await store.start()
     v1 = store.current
 
