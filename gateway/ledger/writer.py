@@ -7,8 +7,16 @@
   `<spool>.replaying`, replayed, and only then deleted. A crash at any point leaves a file that the
   next writer replays at start; replays are idempotent because request_id is unique and conflicts
   are ignored, so a batch that committed but whose acknowledgement was lost is harmless.
-- Rows the database rejects on their own merits (e.g. a too-long value on PostgreSQL) are not retried
-  forever: they are written to `<spool>.rejected` with the error, for a person to look at.
+- Every row is made storable before the INSERT (gateway/ledger/sanitize.py: NUL, lone surrogates, column
+  widths). A row the database still refuses for what it contains is a row error, not an outage
+  (gateway/ledger/failures.py): the batch is bisected, the rows around it land, and it goes to the
+  quarantine file `<spool>.rejected` with the reason (gateway/ledger/quarantine.py). A spooled row that
+  cannot land is quarantined on replay the same way, so no row can block the spool.
+- When neither the database nor the spool takes rows (the spool's disk is full or read-only), they stay in
+  memory up to `max_queue`; beyond it a row is lost, counted (switchyard_ledger_rows_lost) and logged at
+  CRITICAL with its values. `health()` says `degraded` while rows are only spooled or in danger.
+- `close()` is bounded in every state (the database hung, the spool gone): what it cannot write or spool by
+  its deadline is counted and logged as lost.
 """
 from __future__ import annotations
 
@@ -21,20 +29,23 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Iterable
+from collections.abc import Awaitable
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any, TextIO
 
 from prometheus_client import Counter, Gauge, Histogram
 from sqlalchemy import Table, text
-from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.sql.dml import Insert
 
 from gateway.db import async_url, create_engine
+from gateway.ledger import sanitize
+from gateway.ledger.failures import is_row_error
 from gateway.ledger.models import EngineUptimeRow, RequestRow, ShadowEvalRow
+from gateway.ledger.quarantine import ROWS_REJECTED, Quarantine  # noqa: F401 - ROWS_REJECTED: re-exported
 from gateway.ledger.record import LedgerRecord, ShadowRecord, SpoolRecord, UptimeRecord
 
 log = logging.getLogger("switchyard.ledger")
@@ -44,8 +55,13 @@ ROWS_WRITTEN = Counter("switchyard_ledger_rows_written", "Ledger rows inserted i
                        ["path"])  # path: direct | replay
 ROWS_SPOOLED = Counter("switchyard_ledger_rows_spooled", "Ledger rows appended to the local spool file",
                        ["reason"])  # reason: db_unavailable | queue_full | closed
-ROWS_REJECTED = Counter("switchyard_ledger_rows_rejected",
-                        "Ledger rows the database refused (written to the .rejected file)")
+ROWS_LOST = Counter("switchyard_ledger_rows_lost",
+                    "Ledger rows neither the database nor the spool would take, beyond the in-memory bound "
+                    "(each logged at CRITICAL with its values)")
+SPOOL_ROWS = Gauge("switchyard_ledger_spool_rows", "Rows waiting in a ledger spool file for the database",
+                   ["spool"])
+SPOOL_AGE = Gauge("switchyard_ledger_spool_age_seconds", "Age of the oldest row waiting in a ledger spool file",
+                  ["spool"])
 QUEUE_DEPTH = Gauge("switchyard_ledger_queue_depth", "Ledger rows waiting in memory for the batch writer")
 BATCH_SECONDS = Histogram("switchyard_ledger_batch_write_seconds", "Time to write one batch to the database",
                           buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
@@ -75,18 +91,14 @@ class WriterStats:
     replayed: int = 0  # rows inserted from the spool
     duplicates: int = 0  # spooled rows that were already in the database (ignored)
     spooled: int = 0
-    rejected: int = 0
+    rejected: int = 0  # rows set aside in the quarantine file
+    lost: int = 0  # rows neither the database, the spool nor the quarantine took (logged at CRITICAL)
     batches: int = 0
     outages: int = 0
 
 
 class _Outage(Exception):
     """The database could not be reached or failed for reasons unrelated to the rows."""
-
-
-def _is_row_error(exc: BaseException) -> bool:
-    """True when the rows themselves are at fault (retrying the same rows cannot succeed)."""
-    return isinstance(exc, (sa_exc.DataError, sa_exc.IntegrityError))
 
 
 def _fsync_dir(path: Path) -> None:
@@ -97,6 +109,51 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _first_row_time(path: Path) -> float | None:
+    """Wall time of the oldest row in a spool file: its first line's created_at, else the file's mtime."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            first = f.readline()
+        return datetime.fromisoformat(json.loads(first)["created_at"]).timestamp()
+    except Exception:  # noqa: BLE001 - a torn or foreign first line: the file's own time will do
+        with contextlib.suppress(OSError):
+            return path.stat().st_mtime
+    return None
+
+
+def _count_lines(path: Path) -> int:
+    try:
+        with open(path, "rb") as f:
+            return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
+    except OSError:
+        return 0
+
+
+def _loggable(row: dict[str, Any]) -> str:
+    """A lost row's values for the log, long texts (prompts, answers) replaced by their length."""
+    short = {k: (f"<{len(v)} chars>" if isinstance(v, str) and len(v) > 200 else v) for k, v in row.items()}
+    return json.dumps(short, default=str)
+
+
+class _RateLimited:
+    """Log a repeating failure once, then at most every `every_s` seconds with how often it happened."""
+
+    def __init__(self, every_s: float = 30.0) -> None:
+        self.every_s = every_s
+        self._last = float("-inf")
+        self._suppressed = 0
+
+    def __call__(self, level: int, msg: str, *args: Any, exc_info: bool = False) -> None:
+        now = time.monotonic()
+        if now - self._last < self.every_s:
+            self._suppressed += 1
+            return
+        if self._suppressed:
+            msg += f" ({self._suppressed} more since the last report)"
+        self._last, self._suppressed = now, 0
+        log.log(level, msg, *args, exc_info=exc_info)
+
+
 class LedgerWriter:
     # The table it writes and what the spool's JSON lines are read back as (ShadowEvalWriter sets its own).
     table: Table = RequestRow.__table__
@@ -105,7 +162,8 @@ class LedgerWriter:
 
     def __init__(self, database_url: str, spool_path: Path, *, max_queue: int = 10_000,
                  batch_size: int = 256, flush_interval_s: float = 0.2,
-                 retry_initial_s: float = 0.25, retry_max_s: float = 5.0) -> None:
+                 retry_initial_s: float = 0.25, retry_max_s: float = 5.0,
+                 connect_timeout_s: float = 10.0) -> None:
         if max_queue < 1 or batch_size < 1:
             raise ValueError("max_queue and batch_size must be ≥ 1")
         self.database_url = database_url
@@ -118,13 +176,15 @@ class LedgerWriter:
         self.flush_interval_s = flush_interval_s
         self.retry_initial_s = retry_initial_s
         self.retry_max_s = retry_max_s
+        self.connect_timeout_s = connect_timeout_s
         self.stats = WriterStats()
+        self.quarantine = Quarantine(self.rejected_path, self.table.name)
 
         self._queue: deque[LedgerRecord] = deque()
         self._wake = asyncio.Event()  # queue became non-empty (or shutdown)
         self._urgent = asyncio.Event()  # a full batch, a flush or a close: stop waiting for more rows
         self._enqueued = 0  # rows ever put in the queue
-        self._handled = 0  # rows taken from the queue and made durable (DB or fsync'd spool)
+        self._handled = 0  # rows taken from the queue and made durable (DB, fsync'd spool) or given up on
         self._flush_target = 0
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
 
@@ -132,16 +192,28 @@ class LedgerWriter:
         self._spool_fd: int | None = None
         self._spool_unsynced = False
         self._spool_pending = self.spool_path.exists() or self.replay_path.exists()
+        self._spool_error: str | None = None  # the last spool failure, until a spool write succeeds
+        self._spool_log = _RateLimited()
+        self._lost_log = _RateLimited(5.0)
+        # Rows in the spool file and in the file being replayed, and when the oldest of each was spooled
+        # (wall time): what /health reports as the spool's depth and age.
+        self._spool_rows = 0
+        self._spool_since: float | None = None
+        self._replay_rows = 0
+        self._replay_done = 0
+        self._replay_since: float | None = None
 
         self._db_up = True
         self._backoff = retry_initial_s
         self._retry_at = 0.0
+        self._replay_at = 0.0  # a replay that failed on the spool's own files waits until then
         self._engine: AsyncEngine | None = None
         self._insert: Insert | None = None
         self._task: asyncio.Task[None] | None = None
         self._inflight: list[LedgerRecord] | None = None  # popped from the queue, not yet durable
         self._lock_fd: int | None = None
         self._closing = False
+        self._stuck = False  # closing, and a batch could go neither to the database nor to the spool
         self._closed = False
 
     # ---- public API -------------------------------------------------------------------------
@@ -154,24 +226,60 @@ class LedgerWriter:
     def db_available(self) -> bool:
         return self._db_up
 
+    @property
+    def spool_rows(self) -> int:
+        """Rows waiting in the spool files (written there, not yet in the database)."""
+        return self._spool_rows + max(0, self._replay_rows - self._replay_done)
+
+    @property
+    def spool_age_s(self) -> float:
+        """Seconds since the oldest row still waiting in the spool was spooled (0 when none waits)."""
+        if not self.spool_rows:
+            return 0.0
+        since = [t for t in (self._spool_since, self._replay_since) if t is not None]
+        return max(0.0, time.time() - min(since)) if since else 0.0
+
+    def health(self) -> dict[str, Any]:
+        """The ledger's part of /health: `degraded` while rows only reach the spool (the database is down or
+        the spool is not yet replayed), or would be lost (the spool cannot be written)."""
+        spool_rows = self.spool_rows
+        degraded = (not self._db_up or spool_rows > 0 or self._spool_error is not None
+                    or len(self._queue) >= self.max_queue)
+        return {"status": "degraded" if degraded else "ok", "database": self._db_up, "queue": len(self._queue),
+                "spool_rows": spool_rows, "spool_age_s": round(self.spool_age_s, 1),
+                "spool_error": self._spool_error, "quarantined": self.quarantine.rows, "lost": self.stats.lost}
+
     async def start(self) -> None:
-        """Connect lazily and start the background task; a spool left by a previous process replays first."""
+        """Connect lazily and start the background task; a spool left by a previous process replays first.
+
+        A spool directory that cannot be written does not stop the start: rows go to the database, and
+        /health reports the spool's error (the rows of a later outage would stay in memory only).
+        """
         if self._task is not None:
             return
-        self.spool_path.parent.mkdir(parents=True, exist_ok=True)
-        self._take_spool_lock()
+        try:
+            self.spool_path.parent.mkdir(parents=True, exist_ok=True)
+            self._take_spool_lock()
+        except OSError as exc:
+            self._spool_failed(exc, "cannot lock the spool; it will be retried when rows need it")
+        await asyncio.to_thread(self._count_existing)
         engine_kwargs: dict[str, Any] = {}
         if async_url(self.database_url).startswith("postgresql+asyncpg"):
-            # A hung statement must not stall the ledger forever: it fails, and the batch is spooled.
-            engine_kwargs["connect_args"] = {"command_timeout": 30}
+            # A hung statement must not stall the ledger forever: it fails, and the batch is spooled; a
+            # black-holed server must not hold a connect attempt (or shutdown) for asyncpg's default 60 s.
+            engine_kwargs["connect_args"] = {"command_timeout": 30, "timeout": self.connect_timeout_s}
         self._engine = create_engine(self.database_url, **engine_kwargs)
         self._insert = _insert_statement(self.table, self._engine.dialect.name, self.key_column)
+        SPOOL_ROWS.labels(self.spool_path.name).set_function(lambda: self.spool_rows)
+        SPOOL_AGE.labels(self.spool_path.name).set_function(lambda: self.spool_age_s)
         self._task = asyncio.create_task(self._run(), name="ledger-writer")
 
     def submit(self, record: LedgerRecord) -> None:
-        """Queue a row. Never blocks on and never raises because of the database."""
+        """Queue a row. Never blocks on and never raises because of the database or the disk."""
         if self._closed or len(self._queue) >= self.max_queue:
-            self._spool_now(record, "closed" if self._closed else "queue_full")
+            if not self._spool_now(record, "closed" if self._closed else "queue_full"):
+                self._lose([record], "queue full and spool unwritable" if not self._closed
+                           else "writer closed and spool unwritable")
             return
         self._queue.append(record)
         self._enqueued += 1
@@ -195,34 +303,36 @@ class LedgerWriter:
             await asyncio.wait({fut, self._task}, return_when=asyncio.FIRST_COMPLETED)
         await self._sync_spool()
 
-    async def close(self, timeout_s: float | None = 60.0) -> None:
+    async def close(self, timeout_s: float = 8.0) -> None:
         """Graceful shutdown: write (or spool) everything queued, try a last replay, release the DB.
 
-        If the database hangs past `timeout_s`, the rows not yet written are spooled instead (they
-        replay at the next start), so shutdown is bounded (timeout_s plus the ~2 s asyncpg takes to
-        drop a dead connection) and still loses nothing.
+        Bounded in every state: after `timeout_s` the background task is cancelled and what it had not
+        written is spooled; what cannot be spooled either is counted and logged as lost. The steps after
+        the deadline (spooling, disposing connections) have a second or two of their own.
         """
         if self._closed:
             return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
         self._closing = True
         self._urgent.set()
         self._wake.set()
         if self._task is not None:
-            done, _ = await asyncio.wait({self._task}, timeout=timeout_s)
+            done, _ = await asyncio.wait({self._task}, timeout=max(0.0, deadline - loop.time()))
             if not done:
                 log.error("ledger writer still busy after %ss at shutdown; spooling the rest", timeout_s)
                 self._task.cancel()
-                with contextlib.suppress(BaseException):
-                    await self._task
+                await asyncio.wait({self._task}, timeout=1.0)
             elif not self._task.cancelled() and self._task.exception() is not None:
                 log.error("ledger writer task failed", exc_info=self._task.exception())
         if self._inflight:
             batch, self._inflight = self._inflight, None
-            if await self._spool_batch(batch, "closed"):
-                self._mark_handled(len(batch))
+            self._queue.extendleft(reversed(batch))
+            QUEUE_DEPTH.inc(len(batch))
         if self._queue:
-            await self._spool_queue_directly()
-        await self._sync_spool()
+            await self._spool_queue_directly(timeout_s=max(1.0, deadline - loop.time()))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._sync_spool(), max(0.5, deadline - loop.time()))
         self._closed = True
         with self._spool_lock:
             if self._spool_fd is not None:
@@ -230,13 +340,15 @@ class LedgerWriter:
                 self._spool_fd = None
         if self._engine is not None:
             with contextlib.suppress(Exception, TimeoutError):
-                await asyncio.wait_for(self._engine.dispose(), 10)
+                await asyncio.wait_for(self._engine.dispose(), max(0.5, min(2.0, deadline - loop.time())))
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None
 
     def _take_spool_lock(self) -> None:
         """One writer per spool file: a second process renaming the spool under us would lose rows."""
+        if self._lock_fd is not None:
+            return
         fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -247,19 +359,35 @@ class LedgerWriter:
                 f"its own spool path") from None
         self._lock_fd = fd
 
+    def _count_existing(self) -> None:
+        """Depth and age of spools and the quarantine left by an earlier process (blocking: run in a thread)."""
+        self.quarantine.count_existing()
+        for path in (self.replay_path, self.spool_path):
+            rows = _count_lines(path)
+            if not rows:
+                continue
+            since = _first_row_time(path)
+            if path == self.replay_path:
+                self._replay_rows, self._replay_since = rows, since
+            else:
+                self._spool_rows, self._spool_since = rows, since
+
     # ---- background loop ----------------------------------------------------------------------
 
     async def _run(self) -> None:
-        await self._guarded(self._replay_if_due(force=True))  # a previous process's spool
+        await self._guarded(self._replay_if_due(force=True, probe=True))  # a previous process's spool
         while True:
             batch = await self._next_batch()
             if batch:
                 await self._guarded(self._handle_batch(batch))
-            if self._closing and not self._queue:
+            if self._closing and (not self._queue or self._stuck):
                 break
             await self._guarded(self._replay_if_due())
         # Last chance to leave an empty spool behind: ignore the backoff timer once.
         await self._guarded(self._replay_if_due(force=True))
+        self._stuck = False
+        while self._queue and self._db_up and not self._stuck:  # the database is back for the rows the spool refused
+            await self._guarded(self._handle_batch(await self._next_batch()))
 
     async def _guarded(self, step: Awaitable[None]) -> None:
         """Run one step; an unexpected error is logged and the rows in flight are spooled, not dropped."""
@@ -323,9 +451,14 @@ class LedgerWriter:
                 self._mark_down(exc)
         if await self._spool_batch(batch, "db_unavailable"):
             self._mark_handled(len(batch))
-        else:  # neither the DB nor the disk took them: keep them queued and try again shortly
-            self._queue.extendleft(reversed(batch))
-            QUEUE_DEPTH.inc(len(batch))
+            return
+        # Neither the database nor the disk took them: keep them in memory (the queue's bound applies to
+        # new rows) and try again shortly; at shutdown, close() counts what is left as lost.
+        self._queue.extendleft(reversed(batch))
+        QUEUE_DEPTH.inc(len(batch))
+        if self._closing:
+            self._stuck = True
+        else:
             await asyncio.sleep(0.5)
 
     def _mark_handled(self, n: int) -> None:
@@ -358,11 +491,14 @@ class LedgerWriter:
     # ---- database -----------------------------------------------------------------------------
 
     async def _insert_rows(self, rows: list[dict[str, Any]]) -> int:
-        """Insert rows (conflicts ignored) in one transaction; returns rows actually inserted.
+        """Make the rows storable, insert them (conflicts ignored); returns rows actually inserted.
 
-        Raises _Outage for anything that is not the rows' fault. Rows the database refuses are
-        retried one at a time so one bad row cannot hold the others hostage.
+        Raises _Outage for anything that is not the rows' fault. A batch the database refuses for its
+        contents is bisected, so the good rows land and only the refused ones go to the quarantine.
         """
+        return await self._insert_or_bisect(sanitize.safe_rows(self.table, rows, self.key_column))
+
+    async def _insert_or_bisect(self, rows: list[dict[str, Any]]) -> int:
         assert self._engine is not None
         started = time.perf_counter()
         try:
@@ -370,29 +506,36 @@ class LedgerWriter:
                 result = await conn.execute(self._insert, rows)
                 inserted = len(result.all())
         except Exception as exc:  # classified below
-            if _is_row_error(exc) and len(rows) > 1:
-                return await self._insert_one_by_one(rows)
-            if _is_row_error(exc):
-                self._reject(rows, exc)
+            if not is_row_error(exc):
+                raise _Outage(f"{type(exc).__name__}: {exc}") from exc
+            if len(rows) == 1:
+                self._set_aside([{"row": rows[0]}], f"database refused the row: {_first_line(exc)}")
                 return 0
-            raise _Outage(f"{type(exc).__name__}: {exc}") from exc
+            mid = len(rows) // 2
+            return await self._insert_or_bisect(rows[:mid]) + await self._insert_or_bisect(rows[mid:])
         self.stats.batches += 1
         BATCH_SECONDS.observe(time.perf_counter() - started)
         return inserted
 
-    async def _insert_one_by_one(self, rows: list[dict[str, Any]]) -> int:
-        inserted = 0
-        for row in rows:
-            inserted += await self._insert_rows([row])
-        return inserted
+    def _set_aside(self, entries: list[dict[str, Any]], reason: str) -> None:
+        """Quarantine rows that can never be written as they are; if even that fails, they are lost (loudly)."""
+        try:
+            self.quarantine.add(entries, reason)
+        except OSError as exc:
+            self._lose([e.get("row", e.get("line")) for e in entries], f"{reason}; quarantine unwritable: {exc}")
+            return
+        self.stats.rejected += len(entries)
 
-    def _reject(self, rows: list[dict[str, Any]], exc: BaseException) -> None:
-        self.stats.rejected += len(rows)
-        ROWS_REJECTED.inc(len(rows))
-        log.error("ledger database refused %d row(s); kept in %s: %s", len(rows), self.rejected_path, exc)
-        lines = [json.dumps({"error": str(exc).splitlines()[0][:500], "row": row}, default=str) + "\n"
-                 for row in rows]
-        self._append_lines(self.rejected_path, lines, fsync=True)
+    def _lose(self, rows: list[Any], why: str) -> None:
+        """The last resort: the row's values go to the log at CRITICAL, and the loss is counted."""
+        self.stats.lost += len(rows)
+        ROWS_LOST.inc(len(rows))
+        self._lost_log(logging.CRITICAL, "ledger rows LOST (%s): %d so far in this process, see each one below "
+                       "(switchyard_ledger_rows_lost counts them)", why, self.stats.lost)
+        for row in rows:
+            with contextlib.suppress(Exception):
+                values = row.to_row() if isinstance(row, SpoolRecord) else row
+                log.critical("ledger row lost: %s", _loggable(values) if isinstance(values, dict) else values)
 
     async def _probe(self) -> bool:
         assert self._engine is not None
@@ -405,84 +548,101 @@ class LedgerWriter:
 
     # ---- spool --------------------------------------------------------------------------------
 
-    def _append_lines(self, path: Path, lines: Iterable[str], *, fsync: bool) -> None:
-        data = "".join(lines).encode()
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, data)
-            if fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
+    def _spool_failed(self, exc: BaseException, what: str) -> None:
+        self._spool_error = f"{type(exc).__name__}: {exc}"[:300]
+        self._spool_log(logging.ERROR, "ledger spool %s: %s (%s)", self.spool_path, self._spool_error, what)
 
-    def _spool_write(self, data: bytes, *, fsync: bool) -> None:
+    def _spool_write(self, data: bytes, *, fsync: bool, keep_open: bool = True) -> None:
+        """Append whole lines; on a failure (disk full, read-only) the file is cut back to where it was,
+        so a torn line can never swallow the next row appended."""
         with self._spool_lock:
+            self._take_spool_lock()
             if self._spool_fd is None:
                 self.spool_path.parent.mkdir(parents=True, exist_ok=True)
                 self._spool_fd = os.open(self.spool_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             fd = self._spool_fd
-            view = memoryview(data)
-            while view:  # O_APPEND: each write lands at the end, even with two writers
-                view = view[os.write(fd, view):]
+            size = os.fstat(fd).st_size
+            try:
+                view = memoryview(data)
+                while view:  # O_APPEND: each write lands at the end
+                    view = view[os.write(fd, view):]
+                if fsync:
+                    os.fsync(fd)
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, size)
+                raise
+            finally:
+                if not keep_open:
+                    os.close(fd)
+                    self._spool_fd = None
             self._spool_pending = True
-            if fsync:
-                os.fsync(fd)
+            rows = data.count(b"\n")
+            if rows and not self._spool_rows:
+                self._spool_since = time.time()
+            self._spool_rows += rows
+        self._spool_error = None
 
-    def _spool_now(self, record: LedgerRecord, reason: str) -> None:
+    def _spool_now(self, record: LedgerRecord, reason: str) -> bool:
         """Synchronous spool append for rows that cannot be queued (fsync'd later by flush/close)."""
         try:
             line = json.dumps(record.to_json(), default=str) + "\n"
-            if self._closed:  # after close(): no background task will fsync, so do it now
-                with self._spool_lock:
-                    self._append_lines(self.spool_path, [line], fsync=True)
-            else:
-                self._spool_write(line.encode(), fsync=False)
-        except Exception:  # never raise into the request path; keep the row in memory
-            log.exception("ledger spool append failed; keeping the row in memory")
-            self._queue.append(record)
-            self._enqueued += 1
-            QUEUE_DEPTH.inc()
-            self._wake.set()
-            return
-        self._spool_unsynced = True
+        except Exception as exc:  # noqa: BLE001 - e.g. created_at that is not a datetime
+            self._set_aside([{"line": repr(record)}], f"unserializable record: {exc!r}")
+            return True
+        try:
+            # after close(): no background task will fsync, so do it now
+            self._spool_write(line.encode(), fsync=self._closed, keep_open=not self._closed)
+        except Exception as exc:  # noqa: BLE001 - never raise into the request path
+            self._spool_failed(exc, "a row that did not fit the in-memory queue could not be spooled")
+            return False
+        self._spool_unsynced = not self._closed
         self.stats.spooled += 1
         ROWS_SPOOLED.labels(reason).inc()
+        return True
 
     def _serialize(self, batch: list[LedgerRecord]) -> bytes:
-        """JSONL for the spool; a record too malformed to serialize goes to the .rejected file instead."""
-        lines, bad = [], []
+        """JSONL for the spool. A record too malformed to serialize is quarantined and removed from `batch`
+        (in place: the caller keeps or counts only the rest), so it is never retried."""
+        lines, good, bad = [], [], []
         for r in batch:
             try:
                 lines.append(json.dumps(r.to_json(), default=str) + "\n")
+                good.append(r)
             except Exception as exc:  # noqa: BLE001 - e.g. created_at that is not a datetime
-                bad.append(json.dumps({"error": f"unserializable record: {exc!r}", "line": repr(r)}) + "\n")
+                bad.append({"error": f"unserializable record: {exc!r}", "line": repr(r)})
         if bad:
-            log.error("ledger got %d malformed record(s); kept in %s", len(bad), self.rejected_path)
-            self.stats.rejected += len(bad)
-            ROWS_REJECTED.inc(len(bad))
-            self._append_lines(self.rejected_path, bad, fsync=True)
+            self._set_aside(bad, "malformed record")
+            batch[:] = good
         return "".join(lines).encode()
 
     async def _spool_batch(self, batch: list[LedgerRecord], reason: str) -> bool:
+        """fsync'd append of `batch` to the spool (malformed records leave `batch`, handled, in the quarantine)."""
+        n = len(batch)
         try:
             data = await asyncio.to_thread(self._serialize, batch)
+            self._mark_handled(n - len(batch))
             await asyncio.to_thread(self._spool_write, data, fsync=True)
-        except Exception:
-            log.exception("ledger spool write failed (%d rows kept in memory)", len(batch))
+        except Exception as exc:  # noqa: BLE001 - the caller keeps the rows in memory
+            self._spool_failed(exc, f"{len(batch)} rows kept in memory")
             return False
         self.stats.spooled += len(batch)
         ROWS_SPOOLED.labels(reason).inc(len(batch))
         return True
 
-    async def _spool_queue_directly(self) -> None:
+    async def _spool_queue_directly(self, timeout_s: float | None = None) -> None:
         batch = list(self._queue)
         self._queue.clear()
         QUEUE_DEPTH.dec(len(batch))
-        if batch and await self._spool_batch(batch, "closed"):
-            self._mark_handled(len(batch))
-        elif batch:
-            log.critical("ledger rows could not be written anywhere: %s",
-                         json.dumps([r.to_json() for r in batch]))
+        if not batch:
+            return
+        try:
+            spooled = await asyncio.wait_for(self._spool_batch(batch, "closed"), timeout_s)
+        except TimeoutError:
+            spooled = False
+        if not spooled and batch:
+            self._lose(batch, "shutting down with the database and the spool both unavailable")
+        self._mark_handled(len(batch))
 
     async def _sync_spool(self) -> None:
         if not self._spool_unsynced:
@@ -494,7 +654,14 @@ class LedgerWriter:
                 if self._spool_fd is not None:
                     os.fsync(self._spool_fd)
 
-        await asyncio.to_thread(sync)
+        try:
+            await asyncio.to_thread(sync)
+        except OSError as exc:
+            # Rows appended without fsync (queue overflow) may not have reached the disk; they cannot be
+            # told apart any more. Say so as loudly as a loss.
+            log.critical("ledger spool %s could not be fsync'd (%s): rows appended since the last fsync may be "
+                         "lost", self.spool_path, exc)
+            self._spool_failed(exc, "fsync failed")
 
     def _rotate(self) -> Path | None:
         """The file to replay next: a leftover .replaying file, else the spool renamed to it."""
@@ -503,7 +670,9 @@ class LedgerWriter:
                 return self.replay_path
             if not self.spool_path.exists():
                 self._spool_pending = False
+                self._spool_rows, self._spool_since = 0, None
                 return None
+            self._take_spool_lock()  # another writer may own these files
             if self._spool_fd is not None:
                 os.fsync(self._spool_fd)
                 os.close(self._spool_fd)
@@ -511,15 +680,18 @@ class LedgerWriter:
             if self.spool_path.stat().st_size == 0:
                 self.spool_path.unlink()
                 self._spool_pending = False
+                self._spool_rows, self._spool_since = 0, None
                 return None
             os.replace(self.spool_path, self.replay_path)
+            self._replay_rows, self._replay_since, self._replay_done = self._spool_rows, self._spool_since, 0
+            self._spool_rows, self._spool_since = 0, None
             _fsync_dir(self.spool_path.parent)
             return self.replay_path
 
-    def _read_chunk(self, f: TextIO, max_rows: int) -> list[dict[str, Any]]:
-        """Up to max_rows rows from an open spool file ([] at the end); unreadable lines are set aside."""
+    def _read_chunk(self, f: TextIO, max_rows: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """Up to max_rows rows from an open spool file ([] at the end), and the lines that could not be read."""
         rows: list[dict[str, Any]] = []
-        bad: list[str] = []
+        bad: list[dict[str, Any]] = []
         while len(rows) < max_rows:
             line = f.readline()
             if not line:
@@ -529,30 +701,32 @@ class LedgerWriter:
             try:
                 rows.append(self.record_type.from_json(json.loads(line)).to_row())
             except Exception as exc:  # noqa: BLE001 - e.g. a line torn by a crash mid-write
-                bad.append(json.dumps({"error": f"unreadable spool line: {exc}", "line": line}) + "\n")
-        if bad:
-            log.error("ledger spool had %d unreadable line(s); kept in %s", len(bad), self.rejected_path)
-            self.stats.rejected += len(bad)
-            ROWS_REJECTED.inc(len(bad))
-            self._append_lines(self.rejected_path, bad, fsync=True)
-        return rows
+                bad.append({"error": f"unreadable spool line: {exc}", "line": line})
+        return rows, bad
 
-    async def _replay_if_due(self, *, force: bool = False) -> None:
+    async def _replay_if_due(self, *, force: bool = False, probe: bool = False) -> None:
         if not self._db_up and not force and time.monotonic() < self._retry_at:
             return
         if not self._spool_pending:
-            if not self._db_up:
+            if not self._db_up or probe:  # probe: learn at start whether the database answers
                 if await self._probe():
                     self._mark_up()
                 else:
                     self._mark_down(_Outage("probe failed"))
             return
-        if self._db_up and not force and len(self._queue) >= self.batch_size:
-            return  # busy: live rows first, the spool when there is slack
+        if self._db_up and not force and (len(self._queue) >= self.batch_size or time.monotonic() < self._replay_at):
+            return  # busy: live rows first, the spool when there is slack (or its disk fails: later)
         try:
             await self._replay()
         except _Outage as exc:
             self._mark_down(exc)
+        except OSError as exc:  # the spool's files: unreadable, or the lock not ours; try again later
+            self._spool_failed(exc, "replay postponed")
+            self._replay_at = time.monotonic() + self.retry_max_s
+            if await self._probe():  # live rows need not wait for the spool's disk
+                self._mark_up()
+            else:
+                self._mark_down(_Outage("probe failed"))
         else:
             self._mark_up()
 
@@ -563,12 +737,19 @@ class LedgerWriter:
             if path is None:
                 return
             total = 0
+            self._replay_done = 0  # a replay cut short by an outage starts the file again
             # Streamed in batches: a long outage can leave a spool far larger than memory should hold.
             f = await asyncio.to_thread(open, path, encoding="utf-8", errors="replace")
             try:
-                while chunk := await asyncio.to_thread(self._read_chunk, f, self.batch_size):
+                while True:
+                    chunk, bad = await asyncio.to_thread(self._read_chunk, f, self.batch_size)
+                    if bad:
+                        await asyncio.to_thread(self._set_aside, bad, "unreadable spool line")
+                    if not chunk:
+                        break
                     inserted = await self._insert_rows(chunk)
                     total += len(chunk)
+                    self._replay_done += len(chunk) + len(bad)
                     self.stats.replayed += inserted
                     self.stats.duplicates += len(chunk) - inserted
                     ROWS_WRITTEN.labels("replay").inc(inserted)
@@ -579,7 +760,12 @@ class LedgerWriter:
 
     def _finish_replay(self, path: Path) -> None:
         path.unlink()
+        self._replay_rows, self._replay_since, self._replay_done = 0, None, 0
         _fsync_dir(path.parent)
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).splitlines() or [type(exc).__name__])[0][:500]
 
 
 class ShadowEvalWriter(LedgerWriter):
