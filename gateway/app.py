@@ -211,10 +211,13 @@ async def health(request: Request) -> Response:
     policy = services.policy_store.current
     states = _backend_states(gw)
     unserved = backend_health.unserved_routes(policy, states)
-    return JSONResponse({"status": "degraded" if unserved else "ok", "policy_version": policy.version,
+    ledger_health = ledger.health()  # `degraded` while rows only reach the spool: its depth and age
+    degraded = bool(unserved) or ledger_health["status"] != "ok"
+    return JSONResponse({"status": "degraded" if degraded else "ok", "policy_version": policy.version,
                          "policy": services.policy_store.status(),  # the file's state, last reload error
                          "backends": states, "unserved_routes": unserved,
-                         "ledger_queue": ledger.queue_depth, "database": ledger.db_available})
+                         "ledger_queue": ledger.queue_depth, "database": ledger.db_available,
+                         "ledger": ledger_health})
 
 
 async def prometheus(request: Request) -> Response:
