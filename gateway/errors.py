@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from openai_wire import APIError
 
-__all__ = ["APIError", "authentication", "backend_misconfigured", "clip", "invalid_request", "model_not_found",
+__all__ = ["APIError", "authentication", "backend_misconfigured", "circuit_open", "clip", "invalid_request", "model_not_found",
            "quota_exceeded", "rate_limited", "request_too_large", "upstream_failed", "upstream_rejected"]
 
 ECHO_CHARS = 64  # a client's string echoed in an error message is cut to this many characters
@@ -65,7 +65,15 @@ def backend_misconfigured(status: int, detail: str) -> APIError:
                     type="api_error", code="backend_misconfigured", headers={"x-should-retry": "false"})
 
 
-def upstream_failed(message: str, *, timeout: bool = False) -> APIError:
+def upstream_failed(message: str, *, timeout: bool = False, code: str = "upstream_error") -> APIError:
+    """A backend that failed (5xx, cut, malformed or oversized answer: 502) or did not answer in time (504)."""
     if timeout:
         return APIError(504, message, type="api_error", code="upstream_timeout")
-    return APIError(502, message, type="api_error", code="upstream_error")
+    return APIError(502, message, type="api_error", code=code)
+
+
+def circuit_open(retry_after_s: float) -> APIError:
+    """Every backend for the model has its circuit breaker open: nothing was sent; retry after the cooldown."""
+    return APIError(503, "No backend is available for this model right now (circuit open after repeated "
+                         "failures); try again shortly.", type="api_error", code="circuit_open",
+                    headers={"Retry-After": str(max(1, int(retry_after_s + 0.999)))})

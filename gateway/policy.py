@@ -90,6 +90,10 @@ class BackendSpec(_Strict):
     cooldown_s: float = Field(default=30.0, ge=0)
     failure_threshold: int = Field(default=3, ge=1)
     max_connections: int = Field(default=256, ge=1)
+    # An upstream is not trusted: a plain answer (or one SSE event) past max_response_bytes, or a whole stream
+    # past max_stream_bytes, is an upstream failure (upstream_too_large), cut off while it is read.
+    max_response_bytes: int = Field(default=32 * 1024 * 1024, ge=4096)
+    max_stream_bytes: int = Field(default=256 * 1024 * 1024, ge=4096)
 
 
 class SpilloverSpec(_Strict):

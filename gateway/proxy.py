@@ -29,6 +29,7 @@ from gateway.backends.base import (
 from gateway.backends.resilience import BreakerRegistry, complete_with_fallbacks, open_stream_with_fallbacks
 from gateway.ledger.record import ENDPOINT_NAMES, LedgerRecord
 from gateway.ledger.writer import LedgerWriter
+from gateway.redact import configured_secrets, redact
 from gateway.routing import Decision, DifficultyModels, decide
 from gateway.shadow.reference import without_reference
 from gateway.shadow.runner import ShadowRunner, ShadowTicket
@@ -317,9 +318,21 @@ def _client_closed(services: Services, call: Call, backend: Backend | None) -> R
 
 
 def _upstream_failure(services: Services, call: Call, exc: UpstreamError) -> Response:
-    api_error = _upstream_to_api_error(exc)
-    _finish(services, call, None, None, status="error", error_type=f"upstream_{exc.kind}", http_status=api_error.status)
+    api_error = _upstream_to_api_error(exc, _upstream_secrets(call.policy))
+    _finish(services, call, None, None, status="error", error_type=_upstream_error_type(exc),
+            http_status=api_error.status)
     return _with_id(error_response(api_error), call.record.request_id)
+
+
+def _upstream_error_type(exc: UpstreamError) -> str:
+    """The ledger's error_type: upstream_<kind> (timeout, connect, http, protocol, malformed, too_large…), or
+    circuit_open when no backend was tried at all."""
+    return "circuit_open" if exc.kind == "circuit_open" else f"upstream_{exc.kind}"
+
+
+def _upstream_secrets(policy: Policy) -> list[str]:
+    """The values of the keys the policy's backends use: never quoted to a client, whatever an upstream says."""
+    return configured_secrets(spec.api_key_env for spec in policy.backends.values())
 
 
 class _Relay:
@@ -354,9 +367,9 @@ class _Relay:
                 yield SSE_DONE
             self.status, self.error_type = "ok", None
         except UpstreamError as exc:
-            self.status, self.error_type = "error", f"upstream_{exc.kind}"
+            self.status, self.error_type = "error", _upstream_error_type(exc)
             # Headers are gone; tell the client in-band, the way OpenAI's streams do.
-            error = _upstream_to_api_error(exc)
+            error = _upstream_to_api_error(exc, _upstream_secrets(call.policy))
             if events:
                 body = error.body()["error"]
                 yield b"event: error\n" + sse_event(orjson.dumps(
@@ -378,7 +391,9 @@ class _Relay:
         # cut short (no usage chunk): count what was actually streamed
         usage = tally.usage() if tally.complete_usage else tally.usage(call.prompt_tokens)
         device_seconds, estimated = tally.device_seconds, False
-        if self.status == "client_closed" and device_seconds is None:
+        # Cut short (client gone, engine crashed or cut mid-stream): the engine's figure never came, so its
+        # device time is estimated from the learned rate for the tokens streamed (cost_note says so).
+        if self.status != "ok" and device_seconds is None:
             device_seconds = self.services.pool.estimate_device_seconds(self.backend.name, usage)
             estimated = device_seconds is not None
         _finish(self.services, call, self.backend.spec, Completion({}, usage, device_seconds, tally.utilisation),
@@ -457,21 +472,34 @@ def _log_rejection(services: Services, record: LedgerRecord, exc: APIError, star
     services.ledger.submit(record)
 
 
-def _upstream_to_api_error(exc: UpstreamError) -> APIError:
+def _upstream_to_api_error(exc: UpstreamError, secrets: list[str] | None = None) -> APIError:
     """What the client is told, in our words (the upstream's own message quoted, never litellm's wrapping):
     the request's own fault keeps its 4xx (400 when refused before it was sent); our misconfiguration
-    (401/403/404 from the provider) and an unwell backend are 502/504."""
-    detail = errors.clip(exc.detail or f"{exc.kind} error (see the gateway log)", 500)
+    (401/403/404 from the provider) and an unwell backend are 502/504; a malformed or oversized answer 502.
+    Upstream text is redacted (gateway/redact.py: `secrets`, key- and token-shaped strings, file paths,
+    library internals) before it is quoted or logged."""
+    secrets = secrets or []
+    detail = errors.clip(redact(exc.detail, secrets) if exc.detail else f"{exc.kind} error (see the gateway log)",
+                         500)
     upstream = exc.body["error"] if exc.body and isinstance(exc.body.get("error"), dict) else {}
-    param = upstream.get("param") if isinstance(upstream.get("param"), str) else None
-    code = upstream.get("code") if isinstance(upstream.get("code"), str) else None
+    param = redact(upstream["param"], secrets) if isinstance(upstream.get("param"), str) else None
+    code = redact(upstream["code"], secrets) if isinstance(upstream.get("code"), str) else None
+    logged = redact(exc.message, secrets)
+    if exc.kind == "circuit_open":
+        log.info("upstream unavailable: %s", logged)
+        return errors.circuit_open(exc.retry_after or 1.0)
     if exc.kind == "timeout" or exc.status == 408:
-        log.info("upstream timeout: %s", exc.message)
+        log.info("upstream timeout: %s", logged)
         return errors.upstream_failed("The backend did not answer in time.", timeout=True)
-    if exc.kind == "connect" and exc.detail is None:  # our transport error (names an internal URL): logged
-        log.info("upstream unreachable: %s", exc.message)
-        return errors.upstream_failed("No backend could be reached for this model (connection failed or "
-                                      "circuit open); try again shortly.")
+    if exc.kind == "connect":  # our transport error (names an internal URL): logged, never quoted
+        log.info("upstream unreachable: %s", logged)
+        return errors.upstream_failed("No backend could be reached for this model (connection failed); "
+                                      "try again shortly.")
+    if exc.kind in ("malformed", "too_large"):
+        log.warning("upstream answer refused: %s", logged)
+        what = "an answer larger than its size cap" if exc.kind == "too_large" else "a malformed answer"
+        return errors.upstream_failed(f"The backend sent {what}; no backend could serve the request.",
+                                      code=f"upstream_{exc.kind}")
     if exc.kind == "request":
         return errors.invalid_request(f"The request could not be sent to the backend: {detail}")
     if exc.status == 429:
@@ -480,7 +508,7 @@ def _upstream_to_api_error(exc: UpstreamError) -> APIError:
         return errors.backend_misconfigured(exc.status, detail)
     if exc.status is not None and 400 <= exc.status < 500 and exc.status != 409:
         return errors.upstream_rejected(exc.status, detail, param=param, code=code and errors.clip(code, _CODE_CHARS))
-    log.info("upstream failed: %s", exc.message)
+    log.info("upstream failed: %s", logged)
     return errors.upstream_failed(f"All backends failed: {detail}")
 
 

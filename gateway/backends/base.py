@@ -15,7 +15,11 @@ if TYPE_CHECKING:
 # "embeddings" is served by `complete` only; "responses" bodies are the Responses API's (gateway/responses_api.py).
 Endpoint = Literal["chat", "completions", "embeddings", "responses"]
 # "request": refused before it left the gateway (e.g. litellm could not build the provider's request from it).
-ErrorKind = Literal["timeout", "connect", "http", "protocol", "request"]
+# "malformed": a 2xx answer that is not what the wire format says (not JSON, not SSE, bad SSE data);
+# "too_large": an answer (or one SSE event, or a whole stream) past the backend's size cap. Both are the
+# upstream's fault: retried, fallen back from, counted by the breaker. "circuit_open": no attempt was made,
+# every backend of the chain had its breaker open.
+ErrorKind = Literal["timeout", "connect", "http", "protocol", "request", "malformed", "too_large", "circuit_open"]
 
 # 408 (request timeout), 409 (OpenAI's lock timeout), 429 (rate limit) and 5xx are worth another try.
 RETRYABLE_STATUSES = frozenset({408, 409, 429})
@@ -30,7 +34,7 @@ BACKEND_FAULT_STATUSES = frozenset({401, 403, 404})
 # Only these say the backend itself is unwell and count against its circuit breaker: no connection, a
 # timeout (408 included), a malformed answer, a 5xx. A 4xx is about the request (or our configuration), and
 # a 409/429 says "busy": retried, but a busy provider is not a broken one.
-_TRANSPORT_KINDS = frozenset({"timeout", "connect", "protocol"})
+_TRANSPORT_KINDS = frozenset({"timeout", "connect", "protocol", "malformed", "too_large"})
 
 
 def is_retryable_status(status: int) -> bool:

@@ -5,6 +5,10 @@ httpx.AsyncClient costs 0.88 ms of CPU per small POST against 0.10 ms for aiohtt
 same payload, 2,000 requests at concurrency 8), and that difference alone is most of the gateway's
 2 ms overhead budget. aiohttp is already installed with litellm. One orjson encode per request,
 one decode per response or SSE line.
+
+The engine's answers are read within the backend's caps (max_response_bytes for a plain answer or one SSE
+event, max_stream_bytes for a whole stream), never buffered past them; an answer that is not JSON, a stream
+that is not SSE or ends without [DONE], is an upstream failure ("malformed"), not the client's.
 """
 from __future__ import annotations
 
@@ -30,6 +34,8 @@ from gateway.backends.base import (
     requesting_usage,
     usage_from_dict,
 )
+from gateway.backends.guard import AnswerRejected, SSELines, is_event_stream, too_large
+from gateway.redact import redact
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -40,6 +46,9 @@ if TYPE_CHECKING:
 # (capabilities: routing never sends them here unless the policy says otherwise; then they are posted as is).
 _PATHS = {"chat": "/chat/completions", "completions": "/completions", "embeddings": "/embeddings"}
 _READ_BUFFER = 1 << 20  # SSE lines (e.g. with top_logprobs) can be long; aiohttp's default cap is 64 KiB
+_ERROR_BODY_BYTES = 64 * 1024  # of an error answer only this much is read: its message is all we use
+# What a well-formed plain answer must hold, per endpoint.
+_REQUIRED_LIST = {"chat": "choices", "completions": "choices", "embeddings": "data"}
 
 
 class EngineBackend(Backend):
@@ -54,6 +63,7 @@ class EngineBackend(Backend):
         key = os.environ.get(spec.api_key_env) if spec.api_key_env else None
         if key:
             self._headers["authorization"] = f"Bearer {key}"
+        self._secrets = [key] if key else []  # masked out of any upstream text we quote
         # Plain requests: the whole response within timeout_s. Streams: each gap between chunks.
         self._plain_timeout = aiohttp.ClientTimeout(total=spec.timeout_s, sock_connect=spec.connect_timeout_s)
         self._stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=spec.connect_timeout_s,
@@ -88,8 +98,13 @@ class EngineBackend(Backend):
         try:
             async with self._client().post(self._urls[endpoint], data=self._encode(payload, False),
                                            headers=self._headers, timeout=self._plain_timeout) as resp:
-                content = await resp.read()
                 status, headers = resp.status, resp.headers
+                if status >= 400:
+                    content = await _read_at_most(resp, _ERROR_BODY_BYTES)
+                else:
+                    content = await _read_within(resp, self.spec.max_response_bytes)
+        except AnswerRejected as e:
+            raise self._rejected(e) from e
         except (aiohttp.ClientError, TimeoutError) as e:
             raise self._transport_error(e) from e
         if status >= 400:
@@ -97,8 +112,11 @@ class EngineBackend(Backend):
         try:
             body = orjson.loads(content)
         except orjson.JSONDecodeError as e:
-            raise UpstreamError(f"{self.name}: response is not JSON ({e})", kind="protocol", status=status,
-                                backend=self.name) from e
+            raise self._rejected(AnswerRejected("malformed", f"the answer is not JSON ({e})")) from e
+        del content
+        required = _REQUIRED_LIST.get(endpoint)
+        if not isinstance(body, dict) or (required and not isinstance(body.get(required), list)):
+            raise self._rejected(AnswerRejected("malformed", f"the answer is not a {endpoint} object"))
         device_seconds, utilisation = engine_stats(body)
         usage = usage_from_dict(body.get("usage"))
         return Completion(body, usage if usage is not None else Usage(), device_seconds, utilisation)
@@ -117,23 +135,31 @@ class EngineBackend(Backend):
         finished = False
         try:
             if resp.status >= 400:
-                raise self._http_error(resp.status, await resp.read(), resp.headers)
+                raise self._http_error(resp.status, await _read_at_most(resp, _ERROR_BODY_BYTES), resp.headers)
+            if not is_event_stream(resp.headers.get("content-type")):
+                raise AnswerRejected("malformed", "a stream was asked for and the answer is not text/event-stream "
+                                                  f"({resp.headers.get('content-type')!r})")
+            lines = SSELines(self.spec.max_response_bytes, self.spec.max_stream_bytes)
             done = False
-            async for raw in resp.content:
-                # Keep reading after [DONE] so the response completes and its connection returns to the pool.
-                if done or not raw.startswith(b"data:"):
-                    continue
-                data = raw[5:].strip()
-                if data == b"[DONE]":
-                    done = True
-                    continue
-                try:
-                    chunk = orjson.loads(data)
-                except orjson.JSONDecodeError as e:
-                    raise UpstreamError(f"{self.name}: bad SSE data ({e})", kind="protocol",
-                                        backend=self.name) from e
-                yield chunk
+            async for data in resp.content.iter_any():
+                for raw in lines.feed(data):
+                    # Keep reading after [DONE] so the response completes and its connection returns to the pool.
+                    if done or not raw.startswith(b"data:"):
+                        continue
+                    if raw[5:].strip() == b"[DONE]":
+                        done = True
+                        continue
+                    yield self._chunk(raw)
+            rest = lines.end()
+            if not done and rest.startswith(b"data:"):  # a last line without its line ending
+                done = rest[5:].strip() == b"[DONE]"
+                if not done:
+                    yield self._chunk(rest)
+            if not done:
+                raise AnswerRejected("malformed", "the stream ended without [DONE]")
             finished = True
+        except AnswerRejected as e:
+            raise self._rejected(e) from e
         except (aiohttp.ClientError, TimeoutError) as e:
             raise self._transport_error(e) from e
         finally:
@@ -141,6 +167,28 @@ class EngineBackend(Backend):
                 resp.release()  # complete: the connection goes back to the pool
             else:
                 resp.close()  # cut short (client gone, error): drop the connection so the engine sees it
+
+    def _chunk(self, line: bytes) -> dict:
+        """One `data:` line's chunk; an in-band error event (what the engine sends when it fails mid-stream)
+        is raised as the upstream's error."""
+        try:
+            chunk = orjson.loads(line[5:])
+        except orjson.JSONDecodeError as e:
+            raise AnswerRejected("malformed", f"an SSE event's data is not JSON ({e})") from e
+        if not isinstance(chunk, dict):
+            raise AnswerRejected("malformed", "an SSE event's data is not a JSON object")
+        error = chunk.get("error")
+        if isinstance(error, dict) and "choices" not in chunk:
+            status = 400 if error.get("type") == "invalid_request_error" else 500
+            detail = redact(str(error.get("message") or "error event"), self._secrets)
+            raise UpstreamError(f"{self.name}: error event in the stream: {detail}", kind="http", status=status,
+                                retryable=is_retryable_status(status), body={"error": error}, detail=detail,
+                                backend=self.name)
+        return chunk
+
+    def _rejected(self, e: AnswerRejected) -> UpstreamError:
+        return UpstreamError(f"{self.name}: {e}", kind=e.kind, retryable=True, backend=self.name,  # type: ignore[arg-type]
+                             detail=str(e))
 
     async def aclose(self) -> None:
         if self._session is not None and not self._session.closed:
@@ -165,9 +213,40 @@ class EngineBackend(Backend):
         except orjson.JSONDecodeError:
             pass
         detail = body["error"].get("message") if body else content[:200].decode("utf-8", "replace")
+        detail = redact(str(detail), self._secrets)
         return UpstreamError(f"{self.name}: upstream returned {status}: {detail}", kind="http", status=status,
                              retryable=is_retryable_status(status), body=body, detail=detail,
                              retry_after=parse_retry_after(headers.get("retry-after")), backend=self.name)
+
+
+async def _read_within(resp: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The whole body, or AnswerRejected("too_large") as soon as it passes `limit` (nothing more is read)."""
+    if resp.content_length is not None and resp.content_length > limit:
+        resp.close()
+        raise too_large("the answer", limit)
+    parts: list[bytes] = []
+    size = 0
+    async for data in resp.content.iter_any():
+        size += len(data)
+        if size > limit:
+            parts.clear()
+            resp.close()  # the connection is dropped, not drained
+            raise too_large("the answer", limit)
+        parts.append(data)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+async def _read_at_most(resp: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The first `limit` bytes of the body (an error answer: the rest is dropped with the connection)."""
+    parts: list[bytes] = []
+    size = 0
+    async for data in resp.content.iter_any():
+        parts.append(data)
+        size += len(data)
+        if size >= limit:
+            resp.close()
+            break
+    return b"".join(parts)[:limit]
 
 
 def parse_retry_after(value: str | None) -> float | None:

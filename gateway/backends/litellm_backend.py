@@ -15,7 +15,15 @@ of them: `developer` as `system`, `user` where litellm maps it (e.g. Anthropic's
 
 Errors: `map_litellm_error` types every litellm exception. One that litellm raised while building the
 provider's request (a TypeError/ValueError… with no network error behind it) is the client's: kind
-"request", a 400, never retried. The upstream's message is kept without litellm's wording in `detail`.
+"request", a 400, never retried. One raised after a 2xx answer arrived (litellm could not read it: not JSON,
+bad SSE data, a truncated stream) is the upstream's: kind "malformed". The upstream's message is kept without
+litellm's wording, and redacted (gateway/redact.py), in `detail`.
+
+Untrusted answers: litellm's OpenAI-wire HTTP (openai, azure, text-completion-openai…) goes through
+`guard.GuardedTransport` (litellm.aclient_session), which caps each answer at the backend's
+max_response_bytes (a stream: each event, and max_stream_bytes in all) while reading it, and refuses a stream
+answer that is not text/event-stream. Providers litellm reaches through its own HTTP handler are checked on
+the parsed answer instead (the cap still holds, but what was read was buffered first).
 """
 from __future__ import annotations
 
@@ -25,8 +33,10 @@ import re
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+import aiohttp
 import httpx
 import litellm  # gateway/__init__.py has set LITELLM_LOCAL_MODEL_COST_MAP: no price-map fetch
+import orjson
 
 from gateway.backends.base import (
     Backend,
@@ -39,6 +49,15 @@ from gateway.backends.base import (
     usage_from_dict,
 )
 from gateway.backends.engine_backend import parse_retry_after
+from gateway.backends.guard import (
+    ANSWER_LIMITS,
+    AnswerLimits,
+    AnswerRejected,
+    GuardedTransport,
+    guarded_client,
+    too_large,
+)
+from gateway.redact import redact
 
 if TYPE_CHECKING:
     from gateway.policy import BackendSpec
@@ -52,6 +71,8 @@ litellm.callbacks = []
 # our max_retries=0 became the SDK's 2 hidden retries per attempt: its default is 0 here too.
 litellm.DEFAULT_MAX_RETRIES = 0
 logging.getLogger("LiteLLM").setLevel(logging.WARNING)
+if litellm.aclient_session is None:  # the OpenAI-wire providers' HTTP: answers read within each backend's caps
+    litellm.aclient_session = guarded_client()
 
 # Keys litellm adds to OpenAI objects; dropped so clients see the OpenAI format.
 _EXTRA_TOP = ("provider_specific_fields", "citations", "moderation", "obfuscation")
@@ -102,22 +123,38 @@ class LiteLLMBackend(Backend):
                 kwargs["api_key"] = key
         return kwargs
 
-    async def _call(self, kwargs: dict, endpoint: Endpoint) -> Any:
+    def _limits(self, stream: bool) -> AnswerLimits:
+        return AnswerLimits(self.spec.max_response_bytes, self.spec.max_stream_bytes, stream)
+
+    def _secrets(self) -> list[str]:
+        key = os.environ.get(self.spec.api_key_env) if self.spec.api_key_env else None
+        return [key] if key else []
+
+    async def _call(self, kwargs: dict, endpoint: Endpoint, limits: AnswerLimits) -> Any:
         fn = getattr(litellm, _FUNCTIONS[endpoint])
+        token = ANSWER_LIMITS.set(limits)
         try:
             return await fn(**kwargs)
         except Exception as e:  # every litellm/provider error becomes a typed UpstreamError
-            raise map_litellm_error(e, self.name) from e
+            raise map_litellm_error(e, self.name, limits, self._secrets()) from e
+        finally:
+            ANSWER_LIMITS.reset(token)
 
     async def complete(self, payload: dict, endpoint: Endpoint) -> Completion:
-        resp = await self._call(self._kwargs(payload, endpoint), endpoint)
-        if endpoint == "embeddings":
-            body = embeddings_dict(resp)
-        elif endpoint == "responses":
-            body = responses_dict(resp)
-        else:
-            body = to_openai_dict(resp)
-        usage = usage_from_dict(body.get("usage"))
+        limits = self._limits(False)
+        resp = await self._call(self._kwargs(payload, endpoint), endpoint, limits)
+        try:
+            if endpoint == "embeddings":
+                body = embeddings_dict(resp)
+            elif endpoint == "responses":
+                body = responses_dict(resp)
+            else:
+                body = to_openai_dict(resp)
+            if limits.status is None and len(orjson.dumps(body)) > limits.max_bytes:
+                raise too_large("the answer", limits.max_bytes)  # read by litellm's own handler: checked here
+            usage = usage_from_dict(body.get("usage"))
+        except (AnswerRejected, TypeError, ValueError, AttributeError) as e:
+            raise _malformed(e, self.name) from e
         return Completion(body, usage if usage is not None else Usage())
 
     async def stream(self, payload: dict, endpoint: Endpoint) -> AsyncIterator[dict]:
@@ -126,12 +163,22 @@ class LiteLLMBackend(Backend):
         if endpoint != "responses":  # a Responses stream always ends with its usage
             kwargs["stream_options"] = requesting_usage(payload.get("stream_options"))
         convert = responses_dict if endpoint == "responses" else to_openai_dict
-        wrapper = await self._call(kwargs, endpoint)
+        limits = self._limits(True)
+        wrapper = await self._call(kwargs, endpoint, limits)
+        total = 0
         try:
             async for chunk in wrapper:
-                yield convert(chunk)
+                out = convert(chunk)
+                if limits.status is None:  # read by litellm's own handler: the caps are checked here
+                    size = len(orjson.dumps(out))
+                    total += size
+                    if size > limits.max_bytes or total > limits.max_stream_bytes:
+                        raise too_large("the stream", limits.max_stream_bytes)
+                yield out
+        except UpstreamError:
+            raise
         except Exception as e:
-            raise map_litellm_error(e, self.name) from e
+            raise map_litellm_error(e, self.name, limits, self._secrets()) from e
         finally:
             await _close_stream(wrapper)  # closes the provider's HTTP stream
 
@@ -243,14 +290,45 @@ def _raised_locally(e: BaseException) -> bool:
     return local
 
 
-def map_litellm_error(e: Exception, backend: str) -> UpstreamError:
-    """litellm/openai exceptions → UpstreamError with the upstream status and whether a retry may help."""
+def _in_chain(e: BaseException, kinds: type | tuple[type, ...]) -> BaseException | None:
+    seen, cur = 0, e
+    while cur is not None and seen < 10:
+        if isinstance(cur, kinds):
+            return cur
+        cur = cur.__cause__ or cur.__context__
+        seen += 1
+    return None
+
+
+def _malformed(e: BaseException, backend: str) -> UpstreamError:
+    kind = e.kind if isinstance(e, AnswerRejected) else "malformed"
+    detail = str(e) if isinstance(e, AnswerRejected) else f"the answer could not be read ({type(e).__name__})"
+    return UpstreamError(f"{backend}: {detail}", kind=kind, retryable=True, backend=backend, detail=detail)  # type: ignore[arg-type]
+
+
+# Errors of the connection itself, after the answer began (a stream cut mid-way).
+_TRANSPORT_ERRORS = (httpx.TransportError, aiohttp.ClientError, OSError, ConnectionError)
+
+
+def map_litellm_error(e: Exception, backend: str, limits: AnswerLimits | None = None,
+                      secrets: list[str] | None = None) -> UpstreamError:
+    """litellm/openai exceptions → UpstreamError with the upstream status and whether a retry may help.
+
+    `limits`: the call's, whose `status` says whether a 2xx answer had arrived (then litellm's failure to read
+    it is the upstream's: "malformed"). `secrets`: masked out of the message with everything key-shaped."""
     import openai
 
-    detail = provider_message(e)
+    rejected = _in_chain(e, AnswerRejected)
+    if rejected is not None:  # our own cap or SSE check, raised while litellm read the answer
+        return _malformed(rejected, backend)
+    detail = redact(provider_message(e), secrets or ())
     message = f"{backend}: {type(e).__name__}: {detail}"
     if isinstance(e, openai.APITimeoutError):  # litellm.Timeout
         return UpstreamError(message, kind="timeout", retryable=True, backend=backend, detail=detail)
+    answered = limits is not None and limits.status is not None and 200 <= limits.status < 300
+    if answered:
+        kind = "protocol" if _in_chain(e, _TRANSPORT_ERRORS) is not None else "malformed"  # cut, or unreadable
+        return UpstreamError(message, kind=kind, retryable=True, backend=backend, detail=detail)
     if _raised_locally(e):  # e.g. content an integer: nothing was sent, and no retry or backend can fix it
         return UpstreamError(message, kind="request", retryable=False, backend=backend, detail=detail)
     if isinstance(e, openai.APIConnectionError) or _caused_by_connect_error(e):
@@ -280,6 +358,9 @@ async def stop_litellm_workers() -> None:
     """
     from litellm.litellm_core_utils.logging_worker import GLOBAL_LOGGING_WORKER
 
+    session = litellm.aclient_session
+    if session is not None and isinstance(session._transport, GuardedTransport):
+        await session._transport.aclose()  # this event loop's pooled connections
     try:
         await GLOBAL_LOGGING_WORKER.stop(discard_pending=True, timeout=2.0)
     except RuntimeError as exc:  # started on an earlier event loop that is closed now (tests): nothing to stop

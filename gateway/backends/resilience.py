@@ -12,6 +12,7 @@ a client's bad request, our bad key and an upstream's "busy" (409/429) never ope
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -22,6 +23,8 @@ from gateway.backends.base import Backend, Completion, Endpoint, UpstreamError
 
 if TYPE_CHECKING:
     from gateway.policy import BackendSpec
+
+log = logging.getLogger("switchyard.backends")
 
 MAX_RETRY_AFTER_S = 2.0  # honour an upstream's Retry-After up to this; longer → move on to the next backend
 MAX_BACKOFF_S = 5.0
@@ -73,6 +76,12 @@ class CircuitBreaker:
             return False
         self._probe_in_flight = True
         return True
+
+    def retry_in(self) -> float:
+        """Seconds until an open breaker lets a probe through (0 when it would now)."""
+        if self._state is not BreakerState.OPEN:
+            return 0.0
+        return max(self.cooldown_s - (self._clock() - self.opened_at), 0.0)
 
     def record_success(self) -> None:
         self._state = BreakerState.CLOSED
@@ -136,10 +145,11 @@ def backoff_delay(spec: BackendSpec, retry: int, retry_after: float | None) -> f
     return base * (0.5 + random.random())  # jitter: concurrent retries don't arrive in lockstep
 
 
-def _all_unavailable(chain: list[Backend], attempts: int) -> UpstreamError:
+def _all_unavailable(chain: list[Backend], breakers: BreakerRegistry, attempts: int) -> UpstreamError:
     names = ", ".join(b.name for b in chain)
-    err = UpstreamError(f"no backend available: circuit open for {names}", kind="connect", retryable=True)
+    err = UpstreamError(f"no backend available: circuit open for {names}", kind="circuit_open", retryable=True)
     err.attempts = attempts
+    err.retry_after = min((breakers.get(b.spec).retry_in() for b in chain), default=0.0)
     return err
 
 
@@ -168,6 +178,9 @@ async def _with_fallbacks(chain: list[Backend], breakers: BreakerRegistry,
             except UpstreamError as e:
                 e.backend = e.backend or backend.name
                 e.attempts = attempts
+                if e.status in (401, 403):  # our credentials refused: the operator must act (text redacted)
+                    log.warning("backend %s refused the gateway's credentials (%d): %s", backend.name, e.status,
+                                e.detail or e.message)
                 if not e.fallback:
                     if e.kind == "request":
                         breaker.release()  # never sent: no verdict on the backend
@@ -191,7 +204,7 @@ async def _with_fallbacks(chain: list[Backend], breakers: BreakerRegistry,
             breaker.record_success()
             return result, backend, attempts
     if last is None:
-        raise _all_unavailable(chain, attempts)
+        raise _all_unavailable(chain, breakers, attempts)
     last.attempts = attempts
     raise last
 

@@ -46,6 +46,7 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: 
 _SSE_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
              b"transfer-encoding: chunked\r\n\r\n")
 _DONE = b"data: [DONE]\n\n"
+FAULTS = frozenset({"not_json", "not_sse", "bad_sse", "no_done", "huge", "huge_stream", "hang"})
 _KINDS = {"/chat/completions": "chat", "/completions": "completions", "/responses": "responses",
           "/embeddings": "embeddings"}
 
@@ -64,6 +65,20 @@ class StandinOptions:
     default_max_tokens: int = 16
     device_seconds_per_token: float = 0.001  # engine extension: (prompt + completion) × this
     utilisation: float = 0.5  # engine extension
+    # Malformed answers (the upstream is not trusted): the next `fault_next` completion requests get `fault`:
+    #   not_json   a 200 whose body is not JSON (an HTML error page), for plain and streamed requests alike
+    #   not_sse    streams: a 200 text/html body, no SSE at all (plain requests: as not_json)
+    #   bad_sse    streams: two tokens, then an SSE event whose data is not JSON (plain: truncated JSON)
+    #   no_done    streams: two tokens, then a clean end of the body without [DONE] (plain: as not_json)
+    #   huge       a valid answer `huge_bytes` long: plain, one JSON body; streamed, one SSE event that size
+    #   huge_stream  streams: many normal-sized events adding up to `huge_bytes`
+    #   hang       plain: never answer; streams: two tokens, then nothing (until the client leaves)
+    fault: str | None = None
+    fault_next: int = 0
+    huge_bytes: int = 50_000_000
+    # The message of injected failures (fail_next); "{authorization}" is replaced by the request's
+    # Authorization header, the way some providers quote the key they refused.
+    fail_message: str | None = None
 
 
 @dataclass(slots=True)
@@ -99,6 +114,8 @@ class _State:
         unknown = set(update) - names
         if unknown:
             raise ValueError(f"unknown option(s) {sorted(unknown)}; known: {sorted(names)}")
+        if update.get("fault") not in FAULTS | {None}:
+            raise ValueError(f"unknown fault {update['fault']!r}; known: {sorted(FAULTS)}")
         for k, v in update.items():
             setattr(self.options, k, v)
 
@@ -125,6 +142,17 @@ def _prompt_tokens(payload: dict, kind: str) -> int:
             items = [i.get("content") if isinstance(i, dict) else i for i in items]
         return _count_words(payload.get("instructions") or "") + _count_words(items)
     return _count_words(payload.get("prompt", ""))
+
+
+def _choices(payload: dict, kind: str) -> tuple[int, int]:
+    """(choices answered, sequences generated): n per prompt, and completions' best_of per prompt at least."""
+    if kind not in ("chat", "completions"):
+        return 1, 1
+    prompt = payload.get("prompt") if kind == "completions" else None
+    prompts = len(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list) else 1
+    n = payload.get("n") if isinstance(payload.get("n"), int) and payload.get("n") > 0 else 1
+    best_of = payload.get("best_of") if kind == "completions" and isinstance(payload.get("best_of"), int) else 1
+    return prompts * n, prompts * max(n, best_of)
 
 
 def embedding_vector(item: Any, dimensions: int = 8) -> list[float]:
@@ -172,6 +200,7 @@ def _event(obj: dict) -> bytes:
 class _Request:
     __slots__ = (
         "chat",
+        "choices",
         "created",
         "ext",
         "include_usage",
@@ -198,10 +227,13 @@ class _Request:
         n = payload.get("max_completion_tokens") or payload.get("max_tokens") or payload.get("max_output_tokens")
         self.n = int(n) if isinstance(n, int) and n >= 0 else opts.default_max_tokens
         self.prompt = _prompt_tokens(payload, kind)
-        self.usage = {"prompt_tokens": self.prompt, "completion_tokens": self.n,
-                      "total_tokens": self.prompt + self.n,
+        # `n` choices per prompt (a completions list holds several prompts); best_of generates (and bills) that many
+        self.choices, generated = _choices(payload, kind)
+        completion = generated * self.n
+        self.usage = {"prompt_tokens": self.prompt, "completion_tokens": completion,
+                      "total_tokens": self.prompt + completion,
                       "prompt_tokens_details": {"cached_tokens": min(opts.cached_tokens, self.prompt)}}
-        self.ext = ({"device_seconds": (self.prompt + self.n) * opts.device_seconds_per_token,
+        self.ext = ({"device_seconds": (self.prompt + completion) * opts.device_seconds_per_token,
                      "utilisation": opts.utilisation} if opts.engine_extension else None)
         self.rid = f"{'chatcmpl' if chat else 'cmpl'}-standin-{state.seq}"
         self.created = int(time.time())
@@ -295,7 +327,7 @@ class _Request:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": self.finish_reason()}
             obj = "text_completion"
         body = {"id": self.rid, "object": obj, "created": self.created, "model": self.model,
-                "choices": [choice], "usage": self.usage}
+                "choices": [{**choice, "index": i} for i in range(self.choices)], "usage": self.usage}
         if self.ext is not None:
             body["switchyard"] = self.ext
         return json.dumps(body, separators=(",", ":")).encode()
@@ -314,7 +346,12 @@ class _Request:
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
         else:
             choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": None}
-        return _event({**self._base(), "choices": [choice]})
+        return b"".join(_event({**self._base(), "choices": [{**choice, "index": c}]}) for c in range(self.choices))
+
+    def piece_event(self, text: str) -> bytes:
+        """A chat or completions chunk carrying `text` (the fault modes' filler)."""
+        choice = {"index": 0, "delta": {"content": text}} if self.chat else {"index": 0, "text": text}
+        return _event({**self._base(), "choices": [{**choice, "logprobs": None, "finish_reason": None}]})
 
     def tail_events(self) -> bytes:
         """The finish chunk, the usage chunk when asked for, and [DONE]; the extension rides on the last."""
@@ -323,7 +360,7 @@ class _Request:
         else:
             choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": self.finish_reason()}
         finish = {**self._base(), "choices": [choice]}
-        out = []
+        out = [_event({**self._base(), "choices": [{**choice, "index": c}]}) for c in range(1, self.choices)]
         if self.include_usage:
             out.append(_event(finish))
             last = {**self._base(), "choices": [], "usage": self.usage}
@@ -391,7 +428,7 @@ class _Connection(asyncio.Protocol):
                 return
             body = bytes(self.buf[end + 4:end + 4 + length])
             del self.buf[:end + 4 + length]
-            self._dispatch(method, target.split("?", 1)[0], body)
+            self._dispatch(method, target.split("?", 1)[0], body, headers)
             if headers.get("connection", "").lower() == "close" and not self.busy:
                 self.transport.close()
                 return
@@ -400,11 +437,11 @@ class _Connection(asyncio.Protocol):
         self.transport.write(data)
         self.transport.close()
 
-    def _dispatch(self, method: str, path: str, body: bytes) -> None:
+    def _dispatch(self, method: str, path: str, body: bytes, headers: dict[str, str]) -> None:
         if path.startswith("/v1/"):
             path = path[3:]
         if path in _KINDS and method == "POST":
-            self._completion(body, _KINDS[path])
+            self._completion(body, _KINDS[path], headers)
         elif path == "/_control":
             self._control(method, body)
         elif path == "/models" and method == "GET":
@@ -427,7 +464,7 @@ class _Connection(asyncio.Protocol):
                 return
         self.transport.write(_response(200, json.dumps(self.state.snapshot()).encode()))
 
-    def _completion(self, body: bytes, kind: str) -> None:
+    def _completion(self, body: bytes, kind: str, headers: dict[str, str]) -> None:
         state, stats, opts = self.state, self.state.stats, self.state.options
         stats.requests += 1
         counter = {"chat": "chat_requests", "completions": "completion_requests", "responses": "responses_requests",
@@ -450,7 +487,14 @@ class _Connection(asyncio.Protocol):
             opts.fail_next -= 1
             stats.failed += 1
             extra = b"retry-after: %s\r\n" % str(opts.retry_after).encode() if opts.retry_after is not None else b""
-            self.transport.write(_error(opts.fail_status, f"standin: injected {opts.fail_status}", extra))
+            message = f"standin: injected {opts.fail_status}" if opts.fail_message is None else \
+                opts.fail_message.replace("{authorization}", headers.get("authorization", ""))
+            self.transport.write(_error(opts.fail_status, message, extra))
+            return
+        if opts.fault_next > 0 and opts.fault:
+            opts.fault_next -= 1
+            stats.failed += 1
+            self._fault(opts.fault, _Request(state, payload, kind))
             return
         if kind == "embeddings":
             self.transport.write(_response(200, json.dumps(_embeddings_body(payload)).encode()))
@@ -470,6 +514,54 @@ class _Connection(asyncio.Protocol):
         else:
             self.transport.write(_response(200, req.full_body()))
         stats.completed += 1
+
+    def _fault(self, fault: str, req: _Request) -> None:
+        """Answer with one of FAULTS (see StandinOptions.fault)."""
+        opts = self.state.options
+        if fault == "huge":
+            if req.stream:
+                self.transport.write(req.head_events() + req.piece_event("x" * opts.huge_bytes) + req.stream_tail())
+            else:
+                body = json.loads(req.full_body())
+                body["choices"][0]["message" if req.chat else "text"] = (
+                    {"role": "assistant", "content": "x" * opts.huge_bytes} if req.chat else "x" * opts.huge_bytes)
+                self.transport.write(_response(200, json.dumps(body).encode()))
+            return
+        if fault == "huge_stream" and req.stream:
+            count = opts.huge_bytes // 16384 + 1  # distinct pieces: litellm stops a stream that repeats itself
+            events = b"".join(req.piece_event(f"{i:08d}" + "x" * 16376) for i in range(count))
+            self.transport.write(req.head_events() + events + req.stream_tail())
+            return
+        if fault in ("bad_sse", "no_done", "hang") and req.stream:
+            self.transport.write(req.head_events() + req.stream_event(0) + req.stream_event(1))
+            if fault == "bad_sse":
+                self.transport.write(_chunk(b"data: {\"choices\": [{\"delta\": \n\n") + req.stream_tail())
+            elif fault == "no_done":
+                self.transport.write(b"0\r\n\r\n")
+            else:
+                self._hang()
+            return
+        if fault == "hang":
+            self._hang()
+        elif fault == "not_sse" and req.stream:
+            page = b"<html><body>upstream proxy: service temporarily unavailable</body></html>\n"
+            self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/html\r\ntransfer-encoding: chunked\r\n\r\n"
+                                 + _chunk(page) + b"0\r\n\r\n")
+        elif fault == "bad_sse":
+            self.transport.write(_response(200, req.full_body()[:40]))
+        else:  # not_json, and the stream-only faults on a plain request
+            self.transport.write(_response(200, b"<html><body>502 Bad Gateway</body></html>", b"application/json"))
+
+    def _hang(self) -> None:
+        """Send nothing more on this connection until the client goes away."""
+        self.busy = True
+        self._begin()
+
+        async def wait() -> None:
+            await self.lost.wait()
+            self.busy = False
+
+        asyncio.get_running_loop().create_task(wait())
 
     def _begin(self) -> None:
         self.in_flight = True
