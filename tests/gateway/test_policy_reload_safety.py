@@ -46,11 +46,11 @@ def alias_bomb(width: int, levels: int) -> str:
     return "\n".join(lines) + "\n" + BASE
 
 
-def large_valid_policy(nbytes: int) -> str:
-    """A valid policy close to `nbytes`, most of it operator notes under an `x-` key."""
+def large_valid_policy(nbytes: int, base: str = BASE) -> str:
+    """`base` grown close to `nbytes` with operator notes under an `x-` key (still valid)."""
     line = "  - note {:06d} on how this gateway routes its traffic, kept here for the operators\n"
-    count = (nbytes - len(BASE) - 20) // len(line.format(0))
-    return BASE + "x-notes:\n" + "".join(line.format(i) for i in range(count))
+    count = (nbytes - len(base) - 20) // len(line.format(0))
+    return base + "x-notes:\n" + "".join(line.format(i) for i in range(count))
 
 
 def metric(name: str, **labels: str) -> float:
