@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway import dashboard, db, errors, metrics, pricing, proxy, settings
+from gateway import admin_keys, dashboard, db, errors, metrics, pricing, proxy, settings
 from gateway import health as backend_health
 from gateway.auth import Authenticator
 from gateway.backend_pool import BackendPool
@@ -172,12 +172,12 @@ async def responses(request: Request) -> Response:
 async def list_models(request: Request) -> Response:
     gw: Gateway = request.app.state.gw
     try:
-        await gw.services.auth.authenticate(request.headers.get("authorization"))
+        key = await gw.services.auth.authenticate(request.headers.get("authorization"))
     except APIError as exc:
         return error_response(exc)
     created = int(gw.started_at)
     data = [{"id": name, "object": "model", "created": created, "owned_by": "switchyard"}
-            for name in gw.services.policy_store.current.routes]
+            for name in gw.services.policy_store.current.routes if key.allows(name)]  # a key lists what it may use
     return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
 
 
@@ -185,11 +185,11 @@ async def retrieve_model(request: Request) -> Response:
     """`client.models.retrieve(ID)`: a route of the live policy as an OpenAI model object, or 404."""
     gw: Gateway = request.app.state.gw
     try:
-        await gw.services.auth.authenticate(request.headers.get("authorization"))
+        key = await gw.services.auth.authenticate(request.headers.get("authorization"))
         name = request.path_params["model"]
-        routes = gw.services.policy_store.current.routes
+        routes = [route for route in gw.services.policy_store.current.routes if key.allows(route)]
         if name not in routes:
-            raise errors.model_not_found(name, list(routes))
+            raise errors.model_not_found(name, routes)
     except APIError as exc:
         return error_response(exc)
     body = {"id": name, "object": "model", "created": int(gw.started_at), "owned_by": "switchyard"}
@@ -242,6 +242,7 @@ def create_app(config: GatewayConfig) -> Starlette:
             Route("/health", health, methods=["GET"]),
             Route("/metrics", prometheus, methods=["GET"]),
             *dashboard.routes(),
+            *admin_keys.routes(),
         ],
         lifespan=_lifespan,
         exception_handlers={404: _not_found, 405: _method_not_allowed},

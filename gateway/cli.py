@@ -44,14 +44,47 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_keys(sub: argparse._SubParsersAction) -> None:
-    c = _command(sub, "keys", "create", "keys_create", group_help="manage API keys",
-                 group_description="Manage client API keys.", help="create a key; prints it as the last line",
-                 description="Create a client key. Only its hash is stored; the key is printed once.")
+    """`switchyard keys create | list | update | rotate | revoke` (handlers: gateway/keys_cli.py)."""
+    p = sub.add_parser("keys", help="manage API keys",
+                       description="Manage client API keys: only hashes are stored; a key is named by its id "
+                                   "(key_…) or its plaintext. Gateways on the database apply changes within ~1 s.")
+    ksub = p.add_subparsers(dest="keys_command", required=True)
+
+    def command(name: str, help: str, description: str, *, key_arg: bool = False) -> argparse.ArgumentParser:
+        c = ksub.add_parser(name, help=help, description=description)
+        if key_arg:
+            c.add_argument("key", metavar="KEY_OR_ID", help="the key's id (key_…) or the key itself")
+        c.add_argument("--database-url", default=None,
+                       help="(default: $SWITCHYARD_DATABASE_URL, else sqlite:///data/switchyard.db)")
+        c.set_defaults(func=_lazy("gateway.keys_cli", f"keys_{name}"))
+        return c
+
+    def limits(c: argparse.ArgumentParser, clear: str) -> None:
+        c.add_argument("--budget-usd", default=None, metavar="X", help=f"spend limit in USD, above 0{clear}")
+        c.add_argument("--rpm", default=None, metavar="N", help=f"requests per minute{clear}")
+        c.add_argument("--tpm", default=None, metavar="N", help=f"tokens per minute{clear}")
+
+    c = command("create", "create a key; prints it as the last line",
+                "Create a client key. Only its hash is stored; the key is printed once.")
     c.add_argument("--team", required=True)
-    c.add_argument("--budget-usd", type=float, default=None)
-    c.add_argument("--rpm", type=int, default=None, help="requests per minute")
-    c.add_argument("--tpm", type=int, default=None, help="tokens per minute")
-    c.add_argument("--database-url", default=None)
+    limits(c, "")
+    c.add_argument("--routes", default=None, metavar="R,…", help="the only routes the key may use (default: all)")
+    c.add_argument("--admin", action="store_true", help="an admin key (the /admin API and the dashboard)")
+    c = command("list", "list keys (never hashes or plaintexts)",
+                "List keys: id, team, budget, rpm, tpm, routes, admin, revoked, created.")
+    c.add_argument("--all", action="store_true", help="include revoked keys")
+    c.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    c = command("update", "change a key's limits or routes",
+                "Change a live key's limits or allowed routes; the others stay as they are.", key_arg=True)
+    limits(c, "; 'none' removes the limit")
+    routes = c.add_mutually_exclusive_group()
+    routes.add_argument("--routes", default=None, metavar="R,…", help="the only routes the key may use")
+    routes.add_argument("--all-routes", action="store_true", help="let the key use every route")
+    command("rotate", "give a key a new secret; prints it as the last line",
+            "Replace a live key's secret: same id, settings, spend and budget; the old secret stops working.",
+            key_arg=True)
+    command("revoke", "revoke a key", "Revoke a key: every gateway on the database refuses it within ~1 s.",
+            key_arg=True)
 
 
 def _add_policy(sub: argparse._SubParsersAction) -> None:

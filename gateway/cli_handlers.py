@@ -38,35 +38,6 @@ def db_upgrade(args: argparse.Namespace) -> int:
     return 0
 
 
-def keys_create(args: argparse.Namespace) -> int:
-    """`switchyard keys create --team T …`: store a new key's hash and print the key, once, as the last line."""
-    import asyncio
-
-    from gateway import db, settings
-    from gateway.keys import create_key
-
-    url = settings.database_url(args.database_url)
-    db.upgrade(url)
-
-    async def run() -> str:
-        engine = db.create_engine(url)
-        try:
-            key, info = await create_key(engine, args.team, budget_usd=args.budget_usd, rpm=args.rpm, tpm=args.tpm)
-        finally:
-            await engine.dispose()
-        limits = ", ".join(f"{k}={v}" for k, v in (("budget_usd", info.budget_usd), ("rpm", info.rpm),
-                                                    ("tpm", info.tpm)) if v is not None) or "no limits"
-        print(f"Created key {info.id} for team '{info.team}' ({limits}). It is shown once; store it now:")
-        return key
-
-    try:
-        print(asyncio.run(run()))
-    except ValueError as exc:
-        print(f"error: {exc}")
-        return 2
-    return 0
-
-
 def router_retrain(args: argparse.Namespace) -> int:
     """`switchyard router retrain --from-ledger …`: the router's retrain on the ledger's shadow evaluations."""
     from gateway import settings

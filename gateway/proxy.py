@@ -131,7 +131,7 @@ async def _admit(services: Services, request: Request, endpoint: Endpoint, recor
     """Read and route the request, check its key's limits and reserve its worst-case cost (APIError if not)."""
     body = await _read_body(request, endpoint, services.max_body_bytes)
     policy = services.policy_store.current
-    route, decision, view = _route(services, policy, body, endpoint, record)
+    route, decision, view = _route(services, policy, body, endpoint, record, key)
     prompt_tokens = view.estimated_tokens
     services.limiter.admit(key, prompt_tokens)
     reservation = await _reserve(services, key, policy, route, decision, body, endpoint, prompt_tokens, record)
@@ -196,15 +196,15 @@ _TEAM_CHARS, _STORED_CHARS, _CODE_CHARS = 128, 256, 64  # the ledger's column wi
 
 
 def _route(services: Services, policy: Policy, body: dict, endpoint: Endpoint,
-           record: LedgerRecord) -> tuple[RouteSpec, Decision, admission.PromptView]:
+           record: LedgerRecord, key: KeyInfo) -> tuple[RouteSpec, Decision, admission.PromptView]:
     """The route the requested model names, routing's decision for this request (a Responses request is
     scored and matched to capabilities in its chat form), and the request's prompt view (computed once)."""
     record.requested_model = errors.clip(body["model"], _STORED_CHARS)
     record.policy_version = policy.version
     record.stream = bool(body.get("stream"))
     route = policy.routes.get(body["model"])
-    if route is None:
-        raise errors.model_not_found(body["model"], list(policy.routes))
+    if route is None or not key.allows(route.name):  # a route the key may not use is, to it, one that is not there
+        raise errors.model_not_found(body["model"], [name for name in policy.routes if key.allows(name)])
     record.route = route.name
     view = admission.PromptView.of(body, endpoint)
     decision = decide(route, view.body, services.models, services.load, policy, endpoint=view.endpoint,

@@ -81,6 +81,11 @@ class ApiKey(Base):
     is_admin: Mapped[bool] = mapped_column(Boolean, nullable=False, default=False)
     revoked: Mapped[bool] = mapped_column(Boolean, nullable=False, default=False)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    # Key lifecycle (migration 0004)
+    routes: Mapped[str | None] = mapped_column(Text)  # JSON array of allowed route names; NULL: every route
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    rotated_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))  # secret last replaced
+    updated_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))  # limits or routes last changed
 
 
 class ShadowEvalRow(Base):

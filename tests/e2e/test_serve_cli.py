@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -118,8 +117,8 @@ def test_first_start_prints_a_key_once_and_the_snippet_works(standin, tmp_path):
         wait_http(f"http://127.0.0.1:{port}/health", timeout=120)
     finally:
         first_output = stop(process)
-    match = re.search(r"(sk-sy-[A-Za-z0-9_\-]+)", first_output)
-    assert match, first_output
+    key = (tmp_path / "data" / "admin-key.txt").read_text().strip()  # stdout is a pipe: the key is in a 0600 file
+    assert key.startswith("sk-sy-") and key not in first_output, first_output
     snippet = first_output[first_output.index("from openai import OpenAI"):]
     snippet = snippet[:snippet.index("print(reply.choices[0].message.content)") + len("print(reply.choices[0].message.content)")]
     assert (tmp_path / "data" / "switchyard.db").exists()
@@ -133,7 +132,7 @@ def test_first_start_prints_a_key_once_and_the_snippet_works(standin, tmp_path):
         assert "tok0" in ran.stdout
     finally:
         second_output = stop(process)
-    assert match.group(1) not in second_output  # shown once only
+    assert key not in second_output
     assert "Using the admin key" in second_output
 
 
@@ -150,7 +149,7 @@ def test_default_policy_answers_from_the_bundled_demo_model(tmp_path):
         assert ran.returncode == 0, ran.stderr
         assert ran.stdout.strip(), "the demo model answered with nothing"
         # The `auto` route routes by difficulty out of the box (the router trains from router/data/).
-        key = re.search(r"(sk-sy-[A-Za-z0-9_\-]+)", output).group(1)
+        key = (tmp_path / "data" / "admin-key.txt").read_text().strip()  # stdout is a pipe: not printed
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
         hard_prompt = ("Prove that there are infinitely many primes p such that p + 2 is also prime, "
                        "or give the strongest known partial result with a rigorous proof sketch.")
@@ -185,7 +184,7 @@ def test_default_policy_serves_smollm2(tmp_path):
     process, output = _serve_fresh(tmp_path, port)
     try:
         assert 'model="smollm2"' in output, output
-        key = re.search(r"(sk-sy-[A-Za-z0-9_\-]+)", output).group(1)
+        key = (tmp_path / "data" / "admin-key.txt").read_text().strip()  # stdout is a pipe: not printed
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
         question = [{"role": "user", "content": "What is the capital of France?"}]
         reply = client.chat.completions.create(model="smollm2", messages=question, temperature=0)
