@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 
 import orjson
@@ -14,7 +16,7 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -26,9 +28,11 @@ from gateway.backends.resilience import BreakerRegistry
 from gateway.budgets import BudgetBook
 from gateway.embedded import EmbeddedEngines
 from gateway.engine_load import EngineLoadMonitor
-from gateway.http_edge import RequestIdMiddleware
+from gateway.http_edge import RECORD_KEY, RequestIdMiddleware
 from gateway.ledger.models import RequestRow
+from gateway.ledger.record import ENDPOINT_NAMES, LedgerRecord
 from gateway.ledger.writer import LedgerWriter, ShadowEvalWriter, UptimeWriter
+from gateway.migrate_later import migrate_when_reachable
 from gateway.policy import Policy
 from gateway.policy_store import PolicyStore
 from gateway.ratelimit import RateLimiter
@@ -49,6 +53,8 @@ class GatewayConfig:
     data_dir: Path
     master_key: str | None = None
     wait_for_engines_s: float = 120.0  # at start, how long to wait for embedded engines to be healthy
+    # serve found the database unreachable: migrate it in the background once it answers (gateway/migrate_later.py)
+    migrate_when_reachable: bool = False
     banner: str | None = None  # printed once startup is complete (the first-start key and snippet)
     # Larger request bodies get a 413 before they are parsed (env SWITCHYARD_MAX_BODY_BYTES; default 8 MiB).
     max_body_bytes: int = field(default_factory=settings.max_body_bytes)
@@ -81,20 +87,58 @@ async def _lifespan(app: Starlette):
     gw = await _start(config)
     app.state.gw = gw
     app.state.services = gw.services
-    if config.banner:
+    migrator = asyncio.create_task(migrate_when_reachable(config.database_url), name="migrate-later") \
+        if config.migrate_when_reachable else None
+    if await _wait_for_engines(app, gw) and config.banner:
         print(config.banner, flush=True)
     lag_watcher = asyncio.create_task(metrics.watch_loop_lag())
     try:
         yield
     finally:
         await cancel_and_wait(lag_watcher)
+        await cancel_and_wait(migrator)
         # uvicorn has stopped accepting and drained in-flight requests: flush everything they logged.
         await _stop(gw)
         dashboard.close(app)
 
 
+def interrupt_startup(app: Starlette) -> None:
+    """A shutdown signal arrived (serve's signal handler calls this): stop waiting for embedded engines, so a
+    SIGTERM during start-up ends the process in seconds rather than after the wait."""
+    app.state.startup_interrupted = True
+    waiting: asyncio.Task | None = getattr(app.state, "startup_wait", None)
+    if waiting is not None and not waiting.done():
+        waiting.get_loop().call_soon_threadsafe(waiting.cancel)  # safe from a signal handler
+
+
+async def _wait_for_engines(app: Starlette, gw: Gateway) -> bool:
+    """Wait (bounded) for embedded engines to be healthy; False when a shutdown signal cut the wait short."""
+    embedded = gw.embedded
+    if not embedded.processes():
+        return not getattr(app.state, "startup_interrupted", False)
+    waiting = asyncio.ensure_future(embedded.wait_ready(gw.config.wait_for_engines_s))
+    app.state.startup_wait = waiting
+    if getattr(app.state, "startup_interrupted", False):
+        waiting.cancel()
+    try:
+        ready = await waiting
+    except asyncio.CancelledError:
+        if not waiting.cancelled():
+            raise  # the lifespan itself is being cancelled
+        log.warning("shutdown requested while waiting for embedded engines; stopping")
+        return False
+    finally:
+        app.state.startup_wait = None
+    for name, ok in ready.items():
+        if not ok:
+            log.error("embedded engine %s is not healthy yet; its routes use fallbacks until it is", name)
+    return True
+
+
 async def _start(config: GatewayConfig) -> Gateway:
-    """Build every part, apply the live policy and wait (bounded) for embedded engines."""
+    """Build every part and apply the live policy (embedded engines start; the lifespan waits for them). Nothing
+    here needs the database: writers connect lazily and spool, the key cache answers 503 for keys it cannot
+    check."""
     config.data_dir.mkdir(parents=True, exist_ok=True)
     # The price map loads with litellm (seconds): do it now, never on a request's first accounting.
     await asyncio.to_thread(pricing.price_table_version)
@@ -125,11 +169,6 @@ async def _start(config: GatewayConfig) -> Gateway:
         await _apply_policy(gw, policy)
 
     policy_store.on_change(on_change)
-    if embedded.processes():
-        ready = await embedded.wait_ready(config.wait_for_engines_s)
-        for name, ok in ready.items():
-            if not ok:
-                log.error("embedded engine %s is not healthy yet; its routes use fallbacks until it is", name)
     return gw
 
 
@@ -140,9 +179,16 @@ async def _stop(gw: Gateway) -> None:
         await services.shadow.aclose()  # finishes queued shadow jobs (they use the pool and the ledger writer)
     await gw.routing.aclose()  # writes each engine's open uptime interval
     await services.pool.aclose()
-    await services.ledger.close()
-    await gw.uptime_writer.close()
-    await gw.db_engine.dispose()
+    await services.auth.aclose()
+    # Both writers at once, each bounded: a database that hangs costs _WRITER_CLOSE_S, not a minute each (what it
+    # did not take is spooled and replays at the next start).
+    await asyncio.gather(services.ledger.close(timeout_s=_WRITER_CLOSE_S),
+                         gw.uptime_writer.close(timeout_s=_WRITER_CLOSE_S))
+    with contextlib.suppress(Exception, TimeoutError):
+        await asyncio.wait_for(gw.db_engine.dispose(), 5)
+
+
+_WRITER_CLOSE_S = 10.0
 
 
 async def _apply_policy(gw: Gateway, policy: Policy) -> None:
@@ -246,10 +292,34 @@ def create_app(config: GatewayConfig) -> Starlette:
         ],
         lifespan=_lifespan,
         exception_handlers={404: _not_found, 405: _method_not_allowed},
-        middleware=[Middleware(RequestIdMiddleware)],  # every response, errors included, has an x-request-id
+        # Every response, errors included, has an x-request-id; an unexpected error is an OpenAI 500, with a row.
+        middleware=[Middleware(RequestIdMiddleware, on_error=_record_unexpected)],
     )
     app.state.config = config
     return app
+
+
+_LEDGER_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions",
+                     "/v1/embeddings": "embeddings", "/v1/responses": "responses"}
+
+
+def _record_unexpected(scope: dict, request_id: str, exc: BaseException, started: float) -> None:
+    """The ledger row of a /v1 request that an unexpected error ended (the 500 itself is http_edge's): what the
+    request path had filled in so far (key, team, model, route), status error / internal. A row the request
+    path already queued under this id wins (inserts skip a request_id that is there)."""
+    endpoint = _LEDGER_ENDPOINTS.get(scope.get("path", ""))
+    services = getattr(scope["app"].state, "services", None)
+    if endpoint is None or scope.get("method") != "POST" or services is None:
+        return
+    so_far: LedgerRecord | None = scope.get(RECORD_KEY)
+    record = dataclasses.replace(so_far) if so_far is not None else LedgerRecord(
+        request_id=request_id, created_at=datetime.now(UTC), endpoint=ENDPOINT_NAMES[endpoint])
+    disconnected = isinstance(exc, ClientDisconnect)
+    record.status = "client_closed" if disconnected else "error"
+    record.error_type = "client_closed" if disconnected else "internal"
+    record.http_status = 499 if disconnected else 500
+    record.latency_ms = (time.perf_counter() - started) * 1000
+    services.ledger.submit(record)
 
 
 async def _not_found(request: Request, exc: Exception) -> Response:

@@ -12,6 +12,8 @@ import importlib
 import sys
 from collections.abc import Callable
 
+from gateway import listen_address
+
 
 def _lazy(module: str, name: str) -> Callable:
     """`module.name`, imported when first called rather than when the parser is built."""
@@ -35,8 +37,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run the gateway (and any embedded engine)",
                        description="Run the OpenAI-compatible gateway.")
     p.add_argument("--policy", default=None, help="policy YAML (default: policies/default.yaml)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", type=listen_address.host_arg,
+                   help="address to listen on: an IP (0.0.0.0 for every interface) or a hostname")
+    p.add_argument("--port", type=listen_address.port_arg, default=8000, help="1-65535 (default 8000)")
     p.add_argument("--database-url", default=None,
                    help="sqlite:///… or postgresql://… (env SWITCHYARD_DATABASE_URL; default SQLite under ./data/)")
     p.add_argument("--log-level", default="info")

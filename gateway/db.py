@@ -121,8 +121,30 @@ def alembic_config(url: str):  # -> alembic.config.Config (imported lazily: only
     cfg.set_main_option("script_location", str(migrations_dir()))
     # Passed as an attribute, not an ini option: ini values go through %-interpolation, which
     # would mangle URL-encoded passwords.
-    cfg.attributes["database_url"] = sync_url(url)
+    cfg.attributes["database_url"] = _with_connect_timeout(sync_url(url))
     return cfg
+
+
+PG_CONNECT_TIMEOUT_S = 10  # libpq waits forever for a host that drops packets; a migration at start must not
+
+
+def _with_connect_timeout(url: str) -> str:
+    """A PostgreSQL URL with libpq's connect_timeout set, unless the URL sets its own."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "postgresql" or "connect_timeout" in parsed.query:
+        return url
+    return parsed.update_query_dict({"connect_timeout": str(PG_CONNECT_TIMEOUT_S)}).render_as_string(
+        hide_password=False)
+
+
+def is_unreachable(exc: BaseException) -> bool:
+    """True when `exc` says the database cannot be reached (down, refusing, timing out, not there yet), as
+    opposed to a fault of the statement or of the migrations themselves."""
+    from sqlalchemy import exc as sa_exc
+
+    if isinstance(exc, (OSError, TimeoutError, sa_exc.OperationalError, sa_exc.InterfaceError)):
+        return True
+    return isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated
 
 
 def upgrade(url: str, revision: str = "head") -> None:

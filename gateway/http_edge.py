@@ -1,34 +1,93 @@
-"""What every HTTP response of the gateway gets, whatever answered it: an `x-request-id` header.
+"""What every HTTP response of the gateway gets, whatever answered it: an `x-request-id` header, and never a
+plain-text 500.
 
-A pure ASGI middleware (no body buffering, streams pass through): the request path sets its own id (the
-ledger's `request_id`); any other response — a 401, 404, 405, 413, /health — gets a fresh one here.
+A pure ASGI middleware (no body buffering, streams pass through). It gives each request its id before anything
+else runs (`request_id_of(scope)`: the request path uses it for the ledger's `request_id`, so the header, the
+error body and the row agree). An exception that escapes any route becomes an OpenAI-shaped 500 whose message
+names the request id; `on_error` (the app's) is told first, so a /v1 request still gets its ledger row.
 """
 from __future__ import annotations
 
+import logging
+import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
+from starlette.requests import ClientDisconnect
+
+from openai_wire import APIError
+from openai_wire.responses import error_response
+
+log = logging.getLogger("switchyard.http")
+
 _HEADER = b"x-request-id"
+REQUEST_ID_KEY = "switchyard.request_id"  # scope key: this request's id
+RECORD_KEY = "switchyard.record"  # scope key: the request path's ledger record so far (for on_error's row)
+
+# on_error(scope, request_id, exc, started): called once for an exception that escaped the app (started: the
+# request's time.perf_counter() at arrival). It must not raise (what it raises is logged and dropped).
+ErrorHook = Callable[[dict, str, BaseException, float], None]
 
 
 def new_request_id() -> str:
     return "req_" + uuid.uuid4().hex
 
 
+def request_id_of(scope: dict) -> str:
+    """This request's id: the one the middleware gave it (a fresh one outside the middleware, e.g. in a test)."""
+    request_id = scope.get(REQUEST_ID_KEY)
+    if request_id is None:
+        request_id = scope[REQUEST_ID_KEY] = new_request_id()
+    return request_id
+
+
+def internal_error(request_id: str) -> APIError:
+    return APIError(500, f"Internal gateway error (request {request_id}); the gateway's log has the details.",
+                    type="api_error", code="internal_error")
+
+
 class RequestIdMiddleware:
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, on_error: ErrorHook | None = None) -> None:
         self.app = app
+        self.on_error = on_error
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        started_at = time.perf_counter()
+        request_id = request_id_of(scope)
+        id_header = request_id.encode()
+        started = False
 
         async def send_with_id(message: dict) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 headers = message.get("headers") or []
                 if not any(name.lower() == _HEADER for name, _ in headers):
-                    message["headers"] = [*headers, (_HEADER, new_request_id().encode())]
+                    message["headers"] = [*headers, (_HEADER, id_header)]
             await send(message)
 
-        await self.app(scope, receive, send_with_id)
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception as exc:  # noqa: BLE001 - the one place an unexpected error becomes an answer
+            await self._answer(scope, receive, send_with_id, exc, request_id, started_at, started)
+
+    async def _answer(self, scope: dict, receive: Any, send: Any, exc: Exception, request_id: str,
+                      started_at: float, started: bool) -> None:
+        if isinstance(exc, ClientDisconnect):
+            log.info("client left %s %s before its request was read (%s)", scope.get("method"), scope.get("path"),
+                     request_id)
+        else:
+            log.error("unexpected error serving %s %s (%s)", scope.get("method"), scope.get("path"), request_id,
+                      exc_info=exc)
+        if self.on_error is not None:
+            try:
+                self.on_error(scope, request_id, exc, started_at)
+            except Exception:
+                log.exception("recording the error of %s failed", request_id)
+        if started or isinstance(exc, ClientDisconnect):
+            return  # headers are gone (or nobody is listening): the server ends the connection
+        await error_response(internal_error(request_id))(scope, receive, send)

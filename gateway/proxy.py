@@ -5,7 +5,6 @@ import base64
 import logging
 import struct
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -16,7 +15,7 @@ import orjson
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from gateway import admission, errors, metrics, pricing, responses_api, settings
+from gateway import admission, errors, http_edge, metrics, pricing, responses_api, settings
 from gateway.backends.base import (
     BACKEND_FAULT_STATUSES,
     Backend,
@@ -86,7 +85,7 @@ class Call:
 
 async def handle(services: Services, request: Request, endpoint: Endpoint) -> Response:
     started = time.perf_counter()
-    request_id = "req_" + uuid.uuid4().hex
+    request_id = http_edge.request_id_of(request.scope)  # the one x-request-id, error body and row share
     try:
         key = await services.auth.authenticate(request.headers.get("authorization"))
     except APIError as exc:
@@ -95,6 +94,7 @@ async def handle(services: Services, request: Request, endpoint: Endpoint) -> Re
     record = LedgerRecord(request_id=request_id, created_at=datetime.now(UTC), api_key_id=key.id,
                           team=errors.clip(key.team, _TEAM_CHARS) if key.team else key.team,
                           endpoint=ENDPOINT_NAMES[endpoint])
+    request.scope[http_edge.RECORD_KEY] = record  # an unexpected error's row (http_edge) starts from it
     in_flight = metrics.InFlight()
     response: Response | None = None
     try:

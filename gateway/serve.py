@@ -1,16 +1,20 @@
-"""`switchyard serve`: migrate the ledger, make sure an admin key exists, run the gateway on uvicorn."""
+"""`switchyard serve`: bind the port, migrate the ledger (or, with the database down, serve and migrate once it
+answers), make sure an admin key exists, run the gateway on uvicorn."""
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 
-from gateway import db, settings
+from gateway import db, listen_address, settings
 from gateway.keys import create_key, has_admin_key
 from gateway.policy import Policy, PolicyError, load_policy
+
+log = logging.getLogger("switchyard.serve")
 
 
 async def _bootstrap_admin_key(url: str) -> str | None:
@@ -70,6 +74,7 @@ def admin_key_banner(new_key: str | None, data_dir: Path, base_url: str, model: 
         return (f"Using the admin key generated on first start.{where} Create more with `switchyard keys create`.\n"
                 + snippet(base_url, "<your key>", model) + "\n")
     if tty:
+        key_file.unlink(missing_ok=True)  # an earlier key's file (that key was revoked, or this is a new database)
         return ("\nGenerated an admin API key. It is shown ONCE (only its hash is stored):\n\n"
                 f"    {new_key}\n\nPaste this to try it:\n\n{snippet(base_url, new_key, model)}\n")
     try:
@@ -84,8 +89,6 @@ def admin_key_banner(new_key: str | None, data_dir: Path, base_url: str, model: 
 
 
 def serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from gateway.app import GatewayConfig, create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -96,18 +99,87 @@ def serve(args: argparse.Namespace) -> int:
     except PolicyError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    url = settings.database_url(args.database_url)
-    db.upgrade(url)
-    base_url = f"http://{args.host}:{args.port}/v1"
-    model = _example_model(policy)
-    master = settings.master_key()
-    banner = f"\nSwitchyard is ready at {base_url}\n"
-    if master is None:
-        new_key = asyncio.run(_bootstrap_admin_key(url))
-        banner += admin_key_banner(new_key, settings.data_dir(), base_url, model, tty=sys.stdout.isatty())
-    # Printed once the gateway (and any embedded engine) is ready, so the snippet works when pasted.
-    config = GatewayConfig(policy_path=policy_path, database_url=url, data_dir=settings.data_dir(),
-                           master_key=master, banner=banner)
-    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=30, access_log=False)
-    return 0
+    try:  # before anything is announced: a port in use is this one line, not a banner and an exit
+        sock = listen_address.bind(args.host, args.port)
+    except listen_address.BindError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    try:
+        url = settings.database_url(args.database_url)
+        reachable = _migrate_or_defer(url)
+        base_url = f"http://{args.host}:{args.port}/v1"
+        model = _example_model(policy)
+        master = settings.master_key()
+        banner = f"\nSwitchyard is ready at {base_url}\n"
+        if master is None:
+            new_key = _bootstrap_or_defer(url) if reachable else _NO_DATABASE
+            if new_key is _NO_DATABASE:
+                banner += NO_KEY_YET
+            else:
+                banner += admin_key_banner(new_key, settings.data_dir(), base_url, model, tty=sys.stdout.isatty())
+        # Printed once the gateway (and any embedded engine) is ready, so the snippet works when pasted.
+        config = GatewayConfig(policy_path=policy_path, database_url=url, data_dir=settings.data_dir(),
+                               master_key=master, banner=banner, migrate_when_reachable=not reachable)
+        return _run(create_app(config), sock, args.log_level)
+    except _StartError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # Ctrl-C before uvicorn took over the signals
+        return 130
+    finally:
+        sock.close()
+
+
+_NO_DATABASE = object()  # the admin-key bootstrap could not reach the database
+NO_KEY_YET = ("\nNo admin key was created: the database is unreachable, and the first-start key is made there. "
+              "Restart once it answers (or set SWITCHYARD_MASTER_KEY) to get one.\n")
+
+
+class _StartError(Exception):
+    """serve cannot start; the message is one line."""
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:300] if lines else ''}"
+
+
+def _migrate_or_defer(url: str) -> bool:
+    """Migrate to head; False when the database is unreachable (the gateway then migrates once it answers)."""
+    try:
+        db.upgrade(url)
+    except Exception as exc:  # noqa: BLE001 - classified: unreachable is survivable, anything else stops serve
+        if not db.is_unreachable(exc):
+            raise _StartError(f"cannot migrate the database {db.redact_url(url)}: {_one_line(exc)}") from None
+        log.warning("database %s unreachable (%s): serving anyway; the master key works, other keys get 503 until "
+                    "it answers, ledger rows are spooled, and the schema is migrated once it is back",
+                    db.redact_url(url), _one_line(exc))
+        return False
+    return True
+
+
+def _bootstrap_or_defer(url: str) -> str | None | object:
+    try:
+        return asyncio.run(_bootstrap_admin_key(url))
+    except Exception as exc:  # the database went away between the migration and now: say so, in one line
+        if not db.is_unreachable(exc):
+            raise
+        log.warning("database unreachable while creating the first admin key: %s", _one_line(exc))
+        return _NO_DATABASE
+
+
+def _run(app, sock: socket.socket, log_level: str) -> int:
+    """uvicorn on the socket bound above. A shutdown signal during start-up (embedded engines still loading)
+    stops the wait too, so SIGTERM ends the process in seconds in every state."""
+    import uvicorn
+
+    from gateway.app import interrupt_startup
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            interrupt_startup(app)
+
+    server = Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=30, access_log=False))
+    server.run(sockets=[sock])
+    return 0 if server.started else 1
