@@ -29,7 +29,7 @@ def worktree(base: str) -> Path:
                          text=True).stdout.strip()
     path = Path(tempfile.gettempdir()) / f"switchyard-base-{sha}"
     if not (path / "bench" / "gateway_overhead.py").exists():
-        subprocess.run(["git", "worktree", "add", "--detach", str(path), sha], cwd=ROOT, check=True)
+        subprocess.run(["git", "worktree", "add", "--quiet", "--detach", str(path), sha], cwd=ROOT, check=True)
     return path
 
 
