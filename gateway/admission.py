@@ -4,9 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gateway import errors, request_schema, responses_api
+from gateway.pricing import TokenDemand
 from openai_wire import messages_text
-
-DEFAULT_MAX_TOKENS_ESTIMATE = 4096  # a request without max_tokens may run this long; reserve for it
 
 
 def validate(body: object, endpoint: str) -> dict:
@@ -66,26 +65,59 @@ def completions_prompt_text(prompt: object) -> str | None:
 
 
 def estimate_prompt_tokens(body: dict, endpoint: str, text: str | None = None) -> int:
-    """A deliberately high estimate (about 3 characters a token, plus per-message overhead); `text`: the
-    body's prompt_text, when the caller has it already."""
+    """A deliberately high estimate (about 3 characters a token, plus per-message overhead); every prompt of a
+    completions request and every embeddings input counted on its own; `text`: the body's prompt_text, when the
+    caller has it already."""
     if endpoint in ("completions", "embeddings"):
         ids = body["prompt" if endpoint == "completions" else "input"]
         if isinstance(ids, list) and ids and isinstance(ids[0], int):
             return len(ids)
         if isinstance(ids, list) and ids and isinstance(ids[0], list):
             return sum(len(p) for p in ids)
+        if isinstance(ids, list):
+            return sum(len(p) // 3 + 1 for p in ids)
     if endpoint == "responses":
         return estimate_prompt_tokens(responses_api.to_chat(body), "chat")
     overhead = 8 * len(body["messages"]) if endpoint == "chat" else 0
     return len(prompt_text(body, endpoint) if text is None else text) // 3 + 1 + overhead
 
 
-def max_tokens(body: dict, endpoint: str = "chat") -> int:
-    """The most output tokens the request may produce (what budgets reserve for); embeddings produce none."""
-    if endpoint == "embeddings":
-        return 0
-    return (body.get("max_completion_tokens") or body.get("max_tokens") or body.get("max_output_tokens")
-            or DEFAULT_MAX_TOKENS_ESTIMATE)
+# The field(s) that bound one output on each endpoint; an upstream may ignore a field its endpoint does not define.
+_OWN_CAPS = {"chat": ("max_completion_tokens", "max_tokens"), "completions": ("max_tokens",),
+             "responses": ("max_output_tokens",), "embeddings": ()}
+_CAPS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+
+
+def output_cap(body: dict, endpoint: str) -> int | None:
+    """The most tokens one output may run to, as the request bounds it: None when it sets none of its endpoint's
+    own fields; else the largest of every max-tokens field it sets (an upstream may honour any of them)."""
+    if not any(body.get(name) is not None for name in _OWN_CAPS[endpoint]):
+        return None
+    return max(body[name] for name in _CAPS if body.get(name) is not None)
+
+
+def cap_param(endpoint: str) -> str:
+    """The field a client sets to bound one output on `endpoint` (named in errors asking for it)."""
+    return (_OWN_CAPS[endpoint] or ("max_tokens",))[0]
+
+
+def prompt_count(body: dict, endpoint: str) -> int:
+    """How many prompts a request carries: a completions list of strings or of token-id lists holds several
+    (each generates its own choices); everything else is one."""
+    prompt = body.get("prompt") if endpoint == "completions" else None
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        return len(prompt)
+    return 1
+
+
+def token_demand(body: dict, endpoint: str, prompt_tokens: int) -> TokenDemand:
+    """The most the request may make a backend process (what budgets reserve for): every prompt's tokens, and
+    prompts × choices outputs, each up to the request's cap. Choices: the larger of `n` and `best_of` on any
+    endpoint (completions' best_of generates best_of per prompt; elsewhere an upstream may honour either).
+    The token fields are integers here: request_schema checked them before anything else."""
+    choices = max(body.get("n") or 1, body.get("best_of") or 1)
+    return TokenDemand(prompt_tokens, choices, prompt_count(body, endpoint), output_cap(body, endpoint),
+                       outputs=endpoint != "embeddings")
 
 
 def wants_usage_chunk(body: dict) -> bool:

@@ -32,8 +32,9 @@ from gateway.policy_diagnostics import (
     typename,
 )
 
-__all__ = ["DEFAULT_ENGINE_MODEL_PATH", "PACKAGE_PREFIX", "BackendSpec", "IdleSpec", "Policy", "PolicyError",
-           "PolicyIssue", "RouteSpec", "ShadowSpec", "SpilloverSpec", "load_policy", "parse_policy", "policy_warnings"]
+__all__ = ["DEFAULT_ENGINE_MODEL_PATH", "PACKAGE_PREFIX", "BackendSpec", "BudgetSpec", "IdleSpec", "Policy",
+           "PolicyError", "PolicyIssue", "RouteSpec", "ShadowSpec", "SpilloverSpec", "load_policy", "parse_policy",
+           "policy_warnings"]
 
 DEFAULT_ENGINE_MODEL_PATH = "hosted/models/demo"
 # `engine_model_path: "package:NAME/FILE"`: a file inside an installed Python package, found by the engine.
@@ -118,6 +119,16 @@ class ShadowSpec(_Strict):
     judge: str = Field(default="exact", min_length=1)  # `exact` (client-sent reference) or a backend name
 
 
+class BudgetSpec(_Strict):
+    """How budgeted keys reserve for a request whose worst-case cost cannot be priced (gateway/pricing.py,
+    `worst_case`): a backend without a price, or no max tokens and no known output limit."""
+
+    # USD reserved for such a request (at least its priced part); unset: the estimate as if priced (unpriced
+    # API models at $0, an unknown output limit as 4096 tokens).
+    unpriced_reservation_usd: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    refuse_unpriced: bool = False  # refuse such requests from budgeted keys instead (400 or 403 naming why)
+
+
 class RouteSpec(_Strict):
     """A model name clients may send, and which backends serve it."""
 
@@ -149,6 +160,7 @@ class RouteSpec(_Strict):
 class Policy(_Strict):
     backends: dict[str, BackendSpec]
     routes: dict[str, RouteSpec]
+    budgets: BudgetSpec = Field(default_factory=BudgetSpec)
     version: str = ""  # sha256 of the file bytes, first 16 hex digits
     source: str = ""
 
@@ -265,6 +277,8 @@ def _model_at(loc: tuple) -> type[BaseModel]:
     """Which model a pydantic error location points into (for listing allowed fields)."""
     if len(loc) >= 4 and loc[0] == "routes" and loc[2] in _ROUTE_SETTINGS:
         return _ROUTE_SETTINGS[loc[2]]
+    if len(loc) >= 2 and loc[0] == "budgets":
+        return BudgetSpec
     if len(loc) >= 3 and loc[0] in _SECTION_MODELS:
         return _SECTION_MODELS[loc[0]]
     return Policy

@@ -19,6 +19,9 @@ if TYPE_CHECKING:
 
 # A GPU that is busy 2% of the time would otherwise charge each request 50× its device time.
 UTILISATION_FLOOR = 0.05
+# A request without max tokens, on a backend whose output limit is unknown, reserves as if it asked for this
+# many per output when the policy sets no `budgets.unpriced_reservation_usd` (gateway/budgets.py).
+DEFAULT_MAX_TOKENS_ESTIMATE = 4096
 # Budget reservation for engine backends without `reserve_usd_per_mtok`: USD per million tokens
 # (prompt + max_tokens). Deliberately above what a busy small model costs on one GPU (well under $1/Mtok
 # at a few thousand tokens/s and $2-4/GPU-hour), so reservations rarely undershoot the settled cost.
@@ -217,22 +220,92 @@ def counterfactual_cost(policy: Policy, route: RouteSpec, usage: Usage) -> float
     return api_cost(prices, usage).total_usd if prices is not None else None
 
 
-def max_cost_estimate(policy: Policy, chain: list[BackendSpec], prompt_tokens: int, max_tokens: int) -> float:
-    """Worst-case cost over every backend the request may reach, for budget reservation at admission.
+# --------------------------------------------------------------- the worst case budgets reserve
 
-    API backends: all prompt tokens uncached at the input price plus max_tokens at the output price.
-    Engine backends: (prompt + max_tokens) × `reserve_usd_per_mtok` (default DEFAULT_ENGINE_RESERVE_USD_PER_MTOK),
-    because device time is only known afterwards. Unpriced API models reserve 0, as they are logged at 0.
-    """
-    worst = 0.0
+
+@dataclass(slots=True, frozen=True)
+class TokenDemand:
+    """The most a request may make a backend process, from its body (gateway/admission.py `token_demand`)."""
+
+    prompt_tokens: int  # every prompt's tokens, each prompt once (what APIs bill)
+    choices: int = 1  # outputs generated per prompt: the larger of n and best_of
+    prompts: int = 1  # prompts in the request (a completions list of prompts)
+    max_tokens: int | None = None  # per output; None: the request sets no bound the upstream must honour
+    outputs: bool = True  # False for embeddings (no output tokens)
+
+    @property
+    def sequences(self) -> int:
+        return self.prompts * self.choices if self.outputs else 0
+
+
+@dataclass(slots=True, frozen=True)
+class WorstCase:
+    """What a request may cost over its chain, and why that cannot be known (both empty: it can)."""
+
+    priced_usd: float  # the most any backend that can be priced may charge
+    estimate_usd: float  # priced_usd, with the unpriced backends guessed (unpriced API models $0, 4096 tokens)
+    unpriced: tuple[str, ...] = ()  # backends the ledger would log at $0 for want of a price
+    unbounded: tuple[str, ...] = ()  # no max tokens, and a backend whose output limit is unknown
+
+    @property
+    def priceable(self) -> bool:
+        return not self.unpriced and not self.unbounded
+
+
+def output_limit(spec: BackendSpec) -> int | None:
+    """The most output tokens one choice may run to on `spec` when the request sets no max: litellm's
+    `max_output_tokens` for the model, else the context the policy declares (capabilities.max_context)."""
+    declared = spec.capabilities.max_context if spec.capabilities is not None else None
+    return _output_limit(spec.kind, spec.model, declared)
+
+
+@functools.cache
+def _output_limit(kind: str, model: str, declared: int | None) -> int | None:
+    if kind == "litellm":
+        info = model_info(model) or {}
+        known = info.get("max_output_tokens") or info.get("max_tokens")
+        if isinstance(known, int) and known > 0:
+            return known
+    return declared
+
+
+def _backend_worst(spec: BackendSpec, demand: TokenDemand) -> tuple[float, str | None, str | None]:
+    """(USD, why it has no price, why its output is unbounded) for one backend; the reasons are None when not so.
+
+    API backends: every prompt token uncached at the input price, plus every output at max tokens at the output
+    price. Engine backends: (prompt tokens × choices + outputs × max tokens) × `reserve_usd_per_mtok` (default
+    DEFAULT_ENGINE_RESERVE_USD_PER_MTOK; device time is only known afterwards, and each choice may prefill)."""
+    bound = demand.max_tokens if demand.max_tokens is not None else output_limit(spec)
+    outputs = demand.sequences * (DEFAULT_MAX_TOKENS_ESTIMATE if bound is None else bound)
+    unbounded = f"the request sets no max tokens and backend '{spec.name}' has no known output limit" \
+        if demand.sequences and bound is None else None
+    if spec.kind == "litellm":
+        prices = prices_for(spec)
+        if prices is None:
+            return 0.0, f"backend '{spec.name}' has no price for '{spec.model}'", None
+        return demand.prompt_tokens * prices.input_per_token + outputs * prices.output_per_token, None, unbounded
+    rate = spec.reserve_usd_per_mtok
+    usd = (demand.prompt_tokens * demand.choices + outputs) * \
+        (DEFAULT_ENGINE_RESERVE_USD_PER_MTOK if rate is None else rate) * _PER_MTOK
+    unpriced = None if device_hour_usd(spec) else f"engine backend '{spec.name}' has no device price"
+    return usd, unpriced, unbounded
+
+
+def worst_case(chain: list[BackendSpec], demand: TokenDemand) -> WorstCase:
+    """The worst-case cost over every backend the request may reach, for budget reservation at admission."""
+    priced = estimate = 0.0
+    unpriced: list[str] = []
+    unbounded: list[str] = []
     for spec in chain:
-        if spec.kind == "litellm":
-            prices = prices_for(spec)
-            est = 0.0 if prices is None else (
-                prompt_tokens * prices.input_per_token + max_tokens * prices.output_per_token)
-        else:
-            rate = spec.reserve_usd_per_mtok
-            rate = DEFAULT_ENGINE_RESERVE_USD_PER_MTOK if rate is None else rate
-            est = (prompt_tokens + max_tokens) * rate * _PER_MTOK
-        worst = max(worst, est)
-    return worst
+        usd, no_price, no_bound = _backend_worst(spec, demand)
+        estimate = max(estimate, usd)
+        if no_price is None and no_bound is None:
+            priced = max(priced, usd)
+        unpriced += [no_price] if no_price else []
+        unbounded += [no_bound] if no_bound else []
+    return WorstCase(priced, estimate, tuple(unpriced), tuple(unbounded))
+
+
+def max_cost_estimate(policy: Policy, chain: list[BackendSpec], prompt_tokens: int, max_tokens: int) -> float:
+    """The worst case of one prompt, one choice and `max_tokens`, unpriced backends guessed (see worst_case)."""
+    return worst_case(chain, TokenDemand(prompt_tokens, max_tokens=max_tokens)).estimate_usd

@@ -1,6 +1,7 @@
 """One OpenAI request end to end: admission, dispatch with fallbacks, streaming relay, accounting."""
 from __future__ import annotations
 
+import asyncio
 import base64
 import logging
 import struct
@@ -15,7 +16,7 @@ import orjson
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from gateway import admission, errors, http_edge, metrics, pricing, responses_api, settings
+from gateway import admission, budgets, errors, http_edge, metrics, pricing, responses_api, settings
 from gateway.backends.base import (
     BACKEND_FAULT_STATUSES,
     Backend,
@@ -81,6 +82,7 @@ class Call:
     in_flight: metrics.InFlight  # ended when the plain response is ready or the stream's on_end runs
     prompt_tokens: int  # admission's (high) estimate, for rows of requests cut short before their usage
     shadow: ShadowTicket | None = None  # sampled for shadow evaluation (gateway/shadow/)
+    finished: bool = False  # its row is queued and its reservation settled (_finish runs once)
 
 
 async def handle(services: Services, request: Request, endpoint: Endpoint) -> Response:
@@ -112,15 +114,18 @@ async def _serve(services: Services, request: Request, endpoint: Endpoint, recor
     except APIError as exc:
         _log_rejection(services, record, exc, started)
         return _with_id(error_response(exc), record.request_id)
-    if call.body.get("stream"):
-        return await _stream(services, request, call)
     try:
+        if call.body.get("stream"):
+            return await _stream(services, request, call)
         return await _complete(services, request, call)
     except Exception:  # a bug must not leak the budget reservation or lose the ledger row
         log.exception("internal error serving %s", record.request_id)
         _finish(services, call, None, None, status="error", error_type="internal", http_status=500)
         return _with_id(error_response(APIError(500, "Internal gateway error; see the gateway log.",
                                                 type="api_error", code="internal_error")), record.request_id)
+    except asyncio.CancelledError:  # cancelled mid-call (shutdown, a client gone): the row, the reservation back
+        _finish(services, call, None, None, status="client_closed", error_type="cancelled")
+        raise
 
 
 # ---------------------------------------------------------------- admission
@@ -133,14 +138,18 @@ async def _admit(services: Services, request: Request, endpoint: Endpoint, recor
     policy = services.policy_store.current
     route, decision, view = _route(services, policy, body, endpoint, record, key)
     prompt_tokens = view.estimated_tokens
-    services.limiter.admit(key, prompt_tokens)
     reservation = await _reserve(services, key, policy, route, decision, body, endpoint, prompt_tokens, record)
-    if route.log_prompts:
-        record.prompt_text = view.text
-    # Shadow evaluation compares answers to chat and completions requests (embeddings have no answer to judge).
-    shadow = services.shadow.ticket(request_id=record.request_id, route=route, policy=policy, body=body,
-                                    endpoint=endpoint, decision=decision) \
-        if route.shadow is not None and services.shadow is not None and endpoint in _SHADOWED else None
+    try:  # the rate limits after the budget: a request refused (or failing) from here gives its reservation back
+        services.limiter.admit(key, prompt_tokens)
+        if route.log_prompts:
+            record.prompt_text = view.text
+        # Shadow evaluation compares answers to chat and completions requests (embeddings have none to judge).
+        shadow = services.shadow.ticket(request_id=record.request_id, route=route, policy=policy, body=body,
+                                        endpoint=endpoint, decision=decision) \
+            if route.shadow is not None and services.shadow is not None and endpoint in _SHADOWED else None
+    except BaseException:
+        services.budgets.settle(reservation, 0.0)
+        raise
     return Call(record=record, key=key, policy=policy, route=route, body=body, endpoint=endpoint,
                 chain=decision.chain, reservation=reservation, started=started, in_flight=in_flight,
                 prompt_tokens=prompt_tokens, shadow=shadow)
@@ -215,18 +224,24 @@ def _route(services: Services, policy: Policy, body: dict, endpoint: Endpoint,
 
 async def _reserve(services: Services, key: KeyInfo, policy: Policy, route: RouteSpec, decision: Decision,
                    body: dict, endpoint: Endpoint, prompt_tokens: int, record: LedgerRecord) -> Reservation | None:
-    """Reserve the chain's worst-case cost; a key that cannot afford it may still afford `easy` alone (routing:
-    `budget_downgrade`, which then narrows decision.chain to easy)."""
-    max_tokens = admission.max_tokens(body, endpoint)
-    specs = [policy.backends[name] for name in decision.chain]
+    """Reserve the chain's worst-case cost (every prompt, choice and output: admission.token_demand; unpriced
+    requests by the policy's `budgets:` rules); a key that cannot afford it may still afford `easy` alone
+    (routing: `budget_downgrade`, which then narrows decision.chain to easy). None for a key without a budget."""
+    if key.budget_usd is None:
+        return None
+    demand = admission.token_demand(body, endpoint, prompt_tokens)
+
+    def amount(chain: list[str]) -> float:
+        worst = pricing.worst_case([policy.backends[name] for name in chain], demand)
+        return budgets.reservation_usd(worst, policy.budgets, admission.cap_param(endpoint))
+
     try:
-        return await services.budgets.reserve(key, pricing.max_cost_estimate(policy, specs, prompt_tokens, max_tokens))
+        return await services.budgets.reserve(key, amount(decision.chain))
     except APIError as exc:
         if not (route.budget_downgrade and exc.code == "insufficient_quota" and route.easy
                 and decision.chain != [route.easy]):
             raise
-    easy_estimate = pricing.max_cost_estimate(policy, [policy.backends[route.easy]], prompt_tokens, max_tokens)
-    reservation = await services.budgets.reserve(key, easy_estimate)  # raises the 429 if even that is too much
+    reservation = await services.budgets.reserve(key, amount([route.easy]))  # the 429 if even that is too much
     decision.chain = [route.easy]
     record.route_reason = "budget"
     return reservation
@@ -418,7 +433,27 @@ def _finish(services: Services, call: Call, spec: BackendSpec | None, completion
             status: str = "ok", error_type: str | None = None, http_status: int | None = None,
             answer: str | None = None, device_seconds_estimated: bool = False) -> None:
     """Price the request, settle its budget and rate limits, record metrics, queue its ledger row and (served
-    and sampled) its shadow job. `answer`: the text produced, for opt-in logging and shadow evaluation."""
+    and sampled) its shadow job. `answer`: the text produced, for opt-in logging and shadow evaluation.
+    Once per call: the reservation is settled even if pricing fails (the caller's error path then writes the
+    row), and a later call for the same request does nothing."""
+    if call.finished:
+        return
+    try:
+        _outcome(services, call, spec, completion, status, error_type, http_status, answer, device_seconds_estimated)
+    finally:
+        services.budgets.settle(call.reservation, call.record.cost_usd)
+    record = call.record
+    _observe(record, call.route.name, status)
+    services.ledger.submit(record)
+    call.finished = True
+    if call.shadow is not None and services.shadow is not None and spec is not None and status == "ok":
+        services.shadow.submit(call.shadow, spec.name, answer or "")
+
+
+def _outcome(services: Services, call: Call, spec: BackendSpec | None, completion: Completion | None,
+             status: str, error_type: str | None, http_status: int | None, answer: str | None,
+             device_seconds_estimated: bool) -> None:
+    """The row's outcome, backend and (served) cost columns."""
     record = call.record
     record.status, record.error_type = status, error_type
     record.http_status = http_status if http_status is not None else (200 if status == "ok" else None)
@@ -432,11 +467,6 @@ def _finish(services: Services, call: Call, spec: BackendSpec | None, completion
             _charge(services, call, spec, completion, status, device_seconds_estimated)
     if answer is not None and call.route.log_prompts:
         record.completion_text = answer
-    services.budgets.settle(call.reservation, record.cost_usd)
-    _observe(record, call.route.name, status)
-    services.ledger.submit(record)
-    if call.shadow is not None and services.shadow is not None and spec is not None and status == "ok":
-        services.shadow.submit(call.shadow, spec.name, answer or "")
 
 
 def _charge(services: Services, call: Call, spec: BackendSpec, completion: Completion, status: str,

@@ -372,6 +372,25 @@ def _prompt(value: Any) -> Any:
                                   "or array of token-id arrays")
 
 
+# Token fields (budgets multiply them: gateway/admission.py): integers within bounds, on every endpoint.
+MAX_TOKENS_LIMIT = 10_000_000  # far past any model's output limit; keeps the worst-case arithmetic finite
+MAX_CHOICES = 128  # n and best_of
+TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens", "n", "best_of")
+TokenCap = Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_LIMIT)]
+Choices = Annotated[StrictInt, Field(ge=1, le=MAX_CHOICES)]
+
+
+class _TokenFields(_Open):
+    """The fields budgets reserve by, checked on every endpoint, including where the endpoint's own schema does
+    not name them (they still reach the upstream, which may honour them)."""
+
+    max_tokens: TokenCap | None = None
+    max_completion_tokens: TokenCap | None = None
+    max_output_tokens: TokenCap | None = None
+    n: Choices | None = None
+    best_of: Choices | None = None
+
+
 Stop = Annotated[Any, AfterValidator(_stop)]
 Metadata = Annotated[Any, AfterValidator(_metadata)]
 LogitBias = Annotated[Any, AfterValidator(_logit_bias)]
@@ -386,8 +405,8 @@ class _Common(_Open):
     stream_options: _StreamOptions | None = None
     temperature: Temperature | None = None
     top_p: Annotated[Number, Field(ge=0, le=1)] | None = None
-    n: Annotated[StrictInt, Field(ge=1, le=128)] | None = None
-    max_tokens: PositiveInt | None = None
+    n: Choices | None = None
+    max_tokens: TokenCap | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     stop: Stop = None
@@ -400,7 +419,7 @@ class _Common(_Open):
 
 class ChatRequest(_Common):
     messages: Annotated[list[Message], Field(min_length=1)]
-    max_completion_tokens: PositiveInt | None = None
+    max_completion_tokens: TokenCap | None = None
     logprobs: StrictBool | None = None
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
     response_format: ResponseFormat | None = None
@@ -435,7 +454,7 @@ class CompletionRequest(_Common):
     prompt: Annotated[Any, AfterValidator(_prompt)]
     logprobs: Annotated[StrictInt, Field(ge=0, le=5)] | None = None
     echo: StrictBool | None = None
-    best_of: PositiveInt | None = None
+    best_of: Choices | None = None
     suffix: StrictStr | None = None
 
 
@@ -580,7 +599,7 @@ class ResponsesRequest(_Open):
     model: Annotated[StrictStr, Field(min_length=1)]
     input: ResponseInput
     instructions: StrictStr | None = None
-    max_output_tokens: Annotated[StrictInt, Field(ge=16)] | None = None  # OpenAI's own minimum
+    max_output_tokens: Annotated[StrictInt, Field(ge=16, le=MAX_TOKENS_LIMIT)] | None = None  # OpenAI's minimum
     temperature: Temperature | None = None
     top_p: Annotated[Number, Field(ge=0, le=1)] | None = None
     stream: StrictBool | None = None
@@ -659,8 +678,11 @@ def to_api_error(exc: ValidationError) -> APIError:
 
 
 def check(body: dict, endpoint: str) -> None:
-    """Raise the 400 (APIError) for the first field that breaks OpenAI's request schema."""
+    """Raise the 400 (APIError) for the first field that breaks OpenAI's request schema. The token fields come
+    first and on every endpoint, whether or not its schema names them: budgets do arithmetic with them."""
     try:
+        if any(body.get(name) is not None for name in TOKEN_FIELDS):
+            _TokenFields.model_validate(body)
         _MODELS[endpoint].model_validate(body)
     except ValidationError as exc:
         raise to_api_error(exc) from None
