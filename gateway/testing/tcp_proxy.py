@@ -2,8 +2,10 @@
 
 `TcpProxy(target_port).open()` listens on its port and forwards every connection to the target; `close()` stops
 listening and resets every forwarded connection (what a database crash or a firewall reset looks like to the
-gateway: connection refused until `open()` again, on the same port). Threads, no event loop: it works beside a
-gateway that runs its own loop in another thread or process.
+gateway: connection refused until `open()` again, on the same port); `hold()` is a database that stopped answering
+(a firewall dropping packets): open connections are reset, new ones are accepted and never answered, until
+`release()`. Threads, no event loop: it works beside a gateway that runs its own loop in another thread or
+process.
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ class TcpProxy:
         self._listener: socket.socket | None = None
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
+        self._holding = False
+        self._held: list[socket.socket] = []
 
     def open(self) -> TcpProxy:
         listener = socket.socket()
@@ -39,7 +43,25 @@ class TcpProxy:
             listener.close()
         with self._lock:
             conns, self._conns = list(self._conns), set()
+            conns += self._held
+            self._held = []
         for conn in conns:
+            _reset(conn)
+
+    def hold(self) -> None:
+        """Stop answering: reset forwarded connections; accept new ones but never forward or answer them."""
+        self._holding = True
+        with self._lock:
+            conns, self._conns = list(self._conns), set()
+        for conn in conns:
+            _reset(conn)
+
+    def release(self) -> None:
+        """Answer again (connections held meanwhile are reset: their clients gave up on them anyway)."""
+        self._holding = False
+        with self._lock:
+            held, self._held = self._held, []
+        for conn in held:
             _reset(conn)
 
     def _accept(self, listener: socket.socket) -> None:
@@ -48,6 +70,10 @@ class TcpProxy:
                 client, _ = listener.accept()
             except OSError:
                 return  # closed
+            if self._holding:
+                with self._lock:
+                    self._held.append(client)
+                continue
             try:
                 upstream = socket.create_connection(self.target, timeout=5)
                 upstream.settimeout(None)

@@ -106,3 +106,32 @@ def test_a_database_outage_keeps_known_keys_working_and_refuses_what_it_cannot_c
         rows = {r["request_id"]: r for r in ledger_rows(direct_url)}
         assert set(during_ids) <= set(rows)
         assert all(rows[i]["status"] == "ok" and rows[i]["api_key_id"] == good_id for i in during_ids)
+
+
+def test_a_database_that_stops_answering_costs_known_keys_one_bounded_wait(standin, tmp_path, pg_behind_proxy):
+    """Blocked, not refused (packets dropped): a lookup hangs. A known key waits for it at most the lookup timeout
+    once, then is answered from the cache at once; new keys get 503 without piling up connections."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from gateway.auth import LOOKUP_TIMEOUT_S
+
+    url, direct_url, proxy = pg_behind_proxy
+    with run_gateway(POLICY.format(standin=standin), tmp_path, database_url=url) as gateway:
+        [(good, _)] = _make_keys(direct_url, 1)
+        assert _chat(gateway.base_url, good).status_code == 200
+        proxy.hold()
+        time.sleep(1.2)
+        started = time.monotonic()
+        assert _chat(gateway.base_url, good).status_code == 200
+        first = time.monotonic() - started
+        started = time.monotonic()
+        assert [_chat(gateway.base_url, good).status_code for _ in range(5)] == [200] * 5
+        then = (time.monotonic() - started) / 5
+        started = time.monotonic()
+        with ThreadPoolExecutor(20) as pool:
+            statuses = list(pool.map(lambda i: _chat(gateway.base_url, f"sk-sy-guess-{i}").status_code, range(20)))
+        flood = time.monotonic() - started
+        assert set(statuses) == {503}
+        proxy.release()
+    assert first < LOOKUP_TIMEOUT_S + 2 and then < 1.0, (first, then)
+    assert flood < LOOKUP_TIMEOUT_S + 3, flood
