@@ -319,6 +319,7 @@ def _record_unexpected(scope: dict, request_id: str, exc: BaseException, started
     record.error_type = "client_closed" if disconnected else "internal"
     record.http_status = 499 if disconnected else 500
     record.latency_ms = (time.perf_counter() - started) * 1000
+    metrics.REQUESTS.labels(record.route or "none", record.backend or "none", record.status).inc()
     services.ledger.submit(record)
 
 

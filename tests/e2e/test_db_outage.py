@@ -73,8 +73,8 @@ def test_a_database_outage_keeps_known_keys_working_and_refuses_what_it_cannot_c
         assert _chat(gateway.base_url, good).status_code == 200
         assert _chat(gateway.base_url, revoked).status_code == 200
         _revoke(direct_url, revoked_id)
-        time.sleep(1.2)
-        assert _chat(gateway.base_url, revoked).status_code == 401  # seen revoked within a second
+        time.sleep(1.5)  # ~1 s (tests/gateway/test_auth_cache.py measures it), with slack for a loaded machine
+        assert _chat(gateway.base_url, revoked).status_code == 401
 
         proxy.close()  # PostgreSQL unreachable: connections refused, open ones reset
         time.sleep(1.5)  # past the key cache's freshness window
