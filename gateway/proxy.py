@@ -401,20 +401,24 @@ class _Relay:
             return
         self.finished = True
         call, tally = self.call, self.tally
-        with anyio.CancelScope(shield=True):
-            await _close(self.chunks)
-        # cut short (no usage chunk): count what was actually streamed
-        usage = tally.usage() if tally.complete_usage else tally.usage(call.prompt_tokens)
-        device_seconds, estimated = tally.device_seconds, False
-        # Cut short (client gone, engine crashed or cut mid-stream): the engine's figure never came, so its
-        # device time is estimated from the learned rate for the tokens streamed (cost_note says so).
-        if self.status != "ok" and device_seconds is None:
-            device_seconds = self.services.pool.estimate_device_seconds(self.backend.name, usage)
-            estimated = device_seconds is not None
-        _finish(self.services, call, self.backend.spec, Completion({}, usage, device_seconds, tally.utilisation),
-                status=self.status, error_type=self.error_type, answer=tally.text() if tally.parts else None,
-                device_seconds_estimated=estimated)
-        call.in_flight.end()
+        try:
+            with anyio.CancelScope(shield=True):
+                await _close(self.chunks)
+            # cut short (no usage chunk): count what was actually streamed
+            usage = tally.usage() if tally.complete_usage else tally.usage(call.prompt_tokens)
+            device_seconds, estimated = tally.device_seconds, False
+            # Cut short (client gone, engine crashed or cut mid-stream): the engine's figure never came, so its
+            # device time is estimated from the learned rate for the tokens streamed (cost_note says so).
+            if self.status != "ok" and device_seconds is None:
+                device_seconds = self.services.pool.estimate_device_seconds(self.backend.name, usage)
+                estimated = device_seconds is not None
+            _finish(self.services, call, self.backend.spec,
+                    Completion({}, usage, device_seconds, tally.utilisation), status=self.status,
+                    error_type=self.error_type, answer=tally.text() if tally.parts else None,
+                    device_seconds_estimated=estimated)
+        finally:  # whatever failed above, the reservation goes back (a no-op once _finish settled it)
+            self.services.budgets.settle(call.reservation, call.record.cost_usd)
+            call.in_flight.end()
 
 
 async def _close(chunks: AsyncIterator[dict]) -> None:
@@ -424,6 +428,8 @@ async def _close(chunks: AsyncIterator[dict]) -> None:
             await aclose()
         except (UpstreamError, OSError) as exc:  # the upstream may already be gone
             log.debug("closing upstream stream: %s", exc)
+        except Exception:  # a client library's close bug must not cost the row or the reservation
+            log.warning("closing an upstream stream failed", exc_info=True)
 
 
 # ---------------------------------------------------------------- accounting
