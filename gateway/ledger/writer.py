@@ -240,11 +240,12 @@ class LedgerWriter:
         return max(0.0, time.time() - min(since)) if since else 0.0
 
     def health(self) -> dict[str, Any]:
-        """The ledger's part of /health: `degraded` while rows only reach the spool (the database is down or
-        the spool is not yet replayed), or would be lost (the spool cannot be written)."""
+        """The ledger's part of /health: `degraded` while rows do not reach the database: the database is
+        down, rows wait in the spool, or the in-memory queue is full. `spool_error` is the spool's last
+        failure (until a spool write or a replay succeeds): with the database down, rows beyond the queue's
+        bound are then lost (`lost` counts them since start; `quarantined` is the quarantine file's rows)."""
         spool_rows = self.spool_rows
-        degraded = (not self._db_up or spool_rows > 0 or self._spool_error is not None
-                    or len(self._queue) >= self.max_queue)
+        degraded = not self._db_up or spool_rows > 0 or len(self._queue) >= self.max_queue
         return {"status": "degraded" if degraded else "ok", "database": self._db_up, "queue": len(self._queue),
                 "spool_rows": spool_rows, "spool_age_s": round(self.spool_age_s, 1),
                 "spool_error": self._spool_error, "quarantined": self.quarantine.rows, "lost": self.stats.lost}
@@ -303,7 +304,7 @@ class LedgerWriter:
             await asyncio.wait({fut, self._task}, return_when=asyncio.FIRST_COMPLETED)
         await self._sync_spool()
 
-    async def close(self, timeout_s: float = 8.0) -> None:
+    async def close(self, timeout_s: float = 5.0) -> None:
         """Graceful shutdown: write (or spool) everything queued, try a last replay, release the DB.
 
         Bounded in every state: after `timeout_s` the background task is cancelled and what it had not
@@ -762,6 +763,7 @@ class LedgerWriter:
         path.unlink()
         self._replay_rows, self._replay_since, self._replay_done = 0, None, 0
         _fsync_dir(path.parent)
+        self._spool_error = None  # the spool's directory works again
 
 
 def _first_line(exc: BaseException) -> str:
