@@ -270,12 +270,15 @@ def test_an_unpriced_request_is_refused_when_the_policy_says_so(standin, tmp_pat
 # ---------------------------------------------------------------- reservations come back
 
 
-async def _plain_then_leave(url: str, key: str, body: dict, leave_after_s: float) -> None:
-    async with httpx.AsyncClient(timeout=leave_after_s) as client:
-        try:
-            await client.post(url, headers={"authorization": f"Bearer {key}"}, json=body)
-        except httpx.TimeoutException:
-            pass  # the client gives up and closes the connection while the upstream is still working
+async def _plain_then_leave(url: str, key: str, body: dict, count: int, standin: str) -> None:
+    """`count` plain requests whose clients leave (closing their connections) once the upstream has them all."""
+    async with httpx.AsyncClient(timeout=30) as client:
+        calls = [asyncio.create_task(client.post(url, headers={"authorization": f"Bearer {key}"}, json=body))
+                 for _ in range(count)]
+        await asyncio.to_thread(wait_for, lambda: standin_stats(standin)["in_flight"] >= count)
+        for call in calls:
+            call.cancel()
+        await asyncio.gather(*calls, return_exceptions=True)
 
 
 async def _stream_then_leave(url: str, key: str, body: dict, chunks: int) -> None:
@@ -300,7 +303,7 @@ def test_reservations_come_back_when_clients_leave_or_upstreams_fail(gateway, st
     body = {"model": "priced", "messages": CHAT, "max_tokens": 200, "n": 4}
 
     async def leave_during_the_call():
-        await asyncio.gather(*(_plain_then_leave(url, key, body, 0.2 + 0.05 * i) for i in range(6)))
+        await _plain_then_leave(url, key, body, 6, standin)
 
     async def leave_mid_stream():  # one choice: four would be 4x the events for the same check
         await asyncio.gather(*(_stream_then_leave(url, key, {**body, "n": 1, "stream": True}, 1 + i)
@@ -309,7 +312,7 @@ def test_reservations_come_back_when_clients_leave_or_upstreams_fail(gateway, st
     async def upstream_fails():
         return await asyncio.gather(*(_failing(url, key, {**body, "stream": i % 2 == 0}) for i in range(4)))
 
-    standin_control(standin, first_byte_delay_ms=1500)
+    standin_control(standin, first_byte_delay_ms=30_000)
     asyncio.run(leave_during_the_call())
     standin_control(standin, reset=True)
     standin_control(standin, token_delay_ms=20)
