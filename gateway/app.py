@@ -20,7 +20,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway import admin_keys, dashboard, db, errors, metrics, pricing, proxy, settings
+from gateway import admin_keys, dashboard, db, errors, metrics, openapi, pricing, proxy, settings
 from gateway import health as backend_health
 from gateway.auth import Authenticator
 from gateway.backend_pool import BackendPool
@@ -287,6 +287,7 @@ def create_app(config: GatewayConfig) -> Starlette:
             Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", prometheus, methods=["GET"]),
+            Route("/openapi.json", openapi.serve_document, methods=["GET"]),
             *dashboard.routes(),
             *admin_keys.routes(),
         ],

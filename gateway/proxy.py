@@ -160,7 +160,24 @@ async def _read_body(request: Request, endpoint: Endpoint, limit: int) -> dict:
         body = orjson.loads(await _body_within(request, limit))
     except orjson.JSONDecodeError as exc:
         raise errors.invalid_request(f"The request body is not valid JSON: {exc}.") from None
+    _check_forwardable(body)
     return admission.validate(body, endpoint)
+
+
+_MAX_DEPTH = 250  # orjson writes 254 levels (and reads 1,024): what backends may add when reshaping a body fits
+
+
+def _check_forwardable(body: object) -> None:
+    """A body parsed but nested too deeply to be written again (an engine backend's orjson, litellm's json) is the
+    client's 400 on every route kind, not a 500 or a 502 at the backend. One C pass: ~10 us for a chat body."""
+    nested: object = body
+    for _ in range(254 - _MAX_DEPTH):
+        nested = [nested]
+    try:
+        orjson.dumps(nested)
+    except TypeError:
+        raise errors.invalid_request(f"The request body nests JSON too deeply: at most {_MAX_DEPTH} levels.",
+                                     code="nested_too_deeply") from None
 
 
 async def _body_within(request: Request, limit: int) -> bytes:
