@@ -1,7 +1,8 @@
 """The engine's OpenAI-compatible HTTP server (Starlette): the routes and the lifespan that loads the model.
 
 Routes: POST /v1/chat/completions, POST /v1/completions (plain and SSE), GET /v1/models, GET /health
-(200 once the model is loaded, 503 before), GET /metrics (Prometheus text). Endpoints are module-level
+(200 once the model is loaded, 503 before), GET /metrics (Prometheus text), GET /openapi.json
+(hosted/openapi.py). Every response has an `x-request-id` (openai_wire/request_ids.py). Endpoints are module-level
 functions reading `request.app.state.server` (a ServerState); a request is planned (request_plan), fanned
 out into engine sequences (generation) and rendered (render). A client that disconnects aborts every
 sequence of its request, freeing their blocks.
@@ -20,10 +21,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from hosted import openapi
 from hosted.async_llm_engine import Admission, AsyncLLMEngine, EngineDeadError, EngineOverloaded
 from hosted.generation import Generation
 from hosted.openai_protocol import ChatCompletionRequest, CompletionRequest, parse_request
@@ -33,6 +36,7 @@ from hosted.server_state import ServerState
 from hosted.threads import in_fresh_thread
 from hosted.tokenizer import Tokenizer
 from openai_wire import SSE_DONE, APIError, ClientClosed, sse_event, until_disconnect
+from openai_wire.request_ids import RequestIdMiddleware
 from openai_wire.responses import EventStreamResponse, error_response
 
 log = logging.getLogger("switchyard.engine.server")
@@ -60,8 +64,9 @@ def build_app(state: ServerState, loader: Callable[[], tuple[AsyncLLMEngine, Tok
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/openapi.json", openapi.serve_document, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=_lifespan)
+    app = Starlette(routes=routes, lifespan=_lifespan, middleware=[Middleware(RequestIdMiddleware)])
     app.state.server = state
     app.state.loading = _Loading(loader, on_ready, on_load_error)
     return app
