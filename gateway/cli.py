@@ -181,7 +181,10 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
     c.set_defaults(func=_lazy("gateway.cli_handlers", "report_ladder"))
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser for `argv` (default sys.argv[1:]). The engine's group is built only when the command is
+    `switchyard engine …`: hosted's parsers import torch (distill's divergences), and the gateway never does,
+    so `switchyard keys …` runs on a gateway-only install and does not pay ~2 CPU-s for torch."""
     parser = argparse.ArgumentParser(prog="switchyard", description="Cost-aware model router and gateway.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
@@ -189,16 +192,32 @@ def build_parser() -> argparse.ArgumentParser:
     _add_policy(sub)
     _add_db(sub)
     _add_report(sub)
-    # Other packages register their own groups; their modules import heavy deps lazily.
-    from hosted.cli import register as register_engine
-
-    register_engine(sub)
+    _add_engine(sub, _command_word(sys.argv[1:] if argv is None else argv) == "engine")
     _add_router(sub)
     return parser
 
 
+_ENGINE_HELP = "the in-house inference engine"
+
+
+def _command_word(argv: list[str]) -> str | None:
+    """The subcommand named in `argv` (its first word that is not an option)."""
+    return next((word for word in argv if not word.startswith("-")), None)
+
+
+def _add_engine(sub: argparse._SubParsersAction, full: bool) -> None:
+    """`switchyard engine …` from hosted/cli.py when it is the command; otherwise a placeholder (listed in
+    `switchyard --help`) so that building the parser imports nothing of hosted/."""
+    if full:
+        from hosted.cli import register as register_engine
+
+        register_engine(sub)
+    else:
+        sub.add_parser("engine", help=_ENGINE_HELP, description=_ENGINE_HELP, add_help=False)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser(argv).parse_args(argv)
     return int(args.func(args) or 0)
 
 
