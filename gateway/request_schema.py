@@ -478,11 +478,16 @@ def _not_streamed(value: Any) -> Any:
     return value
 
 
+MAX_EMBEDDING_DIMENSIONS = 65_536
+
+
 class EmbeddingRequest(_Open):
     model: Annotated[StrictStr, Field(min_length=1)]
     input: Annotated[Any, AfterValidator(_embedding_input)]
     encoding_format: Literal["float", "base64"] | None = None
-    dimensions: PositiveInt | None = None
+    # No embedding model has more than a few thousand dimensions; the bound keeps a hostile value from making an
+    # upstream (or a stand-in) allocate gigabytes.
+    dimensions: Annotated[PositiveInt, Field(le=MAX_EMBEDDING_DIMENSIONS)] | None = None
     user: StrictStr | None = None
     stream: Annotated[Any, AfterValidator(_not_streamed)] = None
 

@@ -150,3 +150,15 @@ async def test_litellm_refusing_a_request_before_sending_it_is_the_clients_fault
         assert "litellm" not in (e.detail or "").lower() and "OpenAIException" not in (e.detail or "")
         assert standin_stats(first)["requests"] == 0 and standin_stats(second)["requests"] == 0
         assert breakers.states() == {"a": 0}
+
+
+@pytest.mark.parametrize("dimensions", [65_537, 10**9])
+def test_embedding_dimensions_past_any_model_are_a_400(dimensions):
+    """A fuzzer's `dimensions: 10**9` reached the upstream (the stand-in allocated gigabytes): bounded now."""
+    with pytest.raises(APIError) as info:
+        validate({"model": "m", "input": "hi", "dimensions": dimensions}, "embeddings")
+    assert info.value.status == 400 and info.value.param == "dimensions"
+
+
+def test_embedding_dimensions_within_the_bound_pass():
+    assert validate({"model": "m", "input": "hi", "dimensions": 3072}, "embeddings")["dimensions"] == 3072
