@@ -30,6 +30,7 @@ SCRAPE_FAILURES = Counter("switchyard_engine_load_scrape_failures", "Failed scra
 
 _P = "switchyard_engine_"
 _TTFT_BUCKET = _P + "time_to_first_token_seconds_bucket"
+_DEVICE_INFO = _P + "device_info{"
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +77,16 @@ def parse_samples(text: str) -> tuple[dict[str, float], list[tuple[float, float]
     return values, buckets
 
 
+def reported_device_kind(text: str) -> str | None:
+    """The `kind` label of the engine's switchyard_engine_device_info sample (cpu | gpu), None if absent."""
+    start = text.find(_DEVICE_INFO)
+    if start < 0:
+        return None
+    labels = text[start + len(_DEVICE_INFO):text.find("}", start)]
+    kind = labels.partition('kind="')[2].partition('"')[0]
+    return kind if kind in ("cpu", "gpu") else None
+
+
 def histogram_quantile(q: float, bounds: tuple[float, ...], counts: tuple[float, ...]) -> float | None:
     """The q-quantile of cumulative bucket counts, interpolating linearly inside the bucket (None if empty)."""
     if not counts or counts[-1] <= 0:
@@ -95,16 +106,18 @@ def histogram_quantile(q: float, bounds: tuple[float, ...], counts: tuple[float,
 class _Engine:
     """Scrape state of one engine: its URL, the latest load, and recent TTFT histogram snapshots."""
 
-    __slots__ = ("history", "load", "url")
+    __slots__ = ("device_kind", "history", "load", "url")
 
     def __init__(self, url: str) -> None:
         self.url = url
         self.load = UNKNOWN
+        self.device_kind: str | None = None  # what the engine says it runs on (cpu | gpu); kept when stale
         self.history: deque[tuple[float, tuple[float, ...]]] = deque()
 
     def update(self, text: str, now: float, window_s: float) -> dict[str, float]:
         """Parse one scrape into `load`; returns its unlabelled samples."""
         values, buckets = parse_samples(text)
+        self.device_kind = reported_device_kind(text) or self.device_kind
         bounds = tuple(b for b, _ in buckets)
         counts = tuple(c for _, c in buckets)
         if self.history and (len(self.history[-1][1]) != len(counts)
@@ -158,6 +171,11 @@ class EngineLoadMonitor:
             return UNKNOWN
         return load
 
+    def device_kind(self, name: str) -> str | None:
+        """The device kind the engine reported on its last successful scrape (None: not reported yet)."""
+        engine = self._engines.get(name)
+        return engine.device_kind if engine is not None else None
+
     def configure(self, targets: dict[str, str], prices: dict[str, DevicePrice] | None = None) -> None:
         """Scrape exactly these engines ({backend name: api_base}); starts the background task once.
 
@@ -186,6 +204,8 @@ class EngineLoadMonitor:
             response.raise_for_status()
             values = engine.update(response.text, time.monotonic(), self.ttft_window_s)
             if self.uptime is not None:
+                if engine.device_kind is not None:
+                    self.uptime.set_kind(name, engine.device_kind)
                 self.uptime.observe(name, values.get(_P + "busy_seconds_total"),
                                     started_at=values.get(_P + "busy_seconds_created"))
         except (httpx.HTTPError, ValueError) as exc:

@@ -188,11 +188,23 @@ def request_cost(spec: BackendSpec, usage: Usage, device_seconds: float | None =
     return Cost(input_usd, total - input_usd, total, "gpu_amortized", note)
 
 
+def busy_cost(spec: BackendSpec, device_seconds: float | None) -> float | None:
+    """An engine request's device-seconds at the list rate (device_hour_usd / 3600), with no share of idle:
+    the stable chargeback figure, the same for the same work whatever the engine's utilisation at the time
+    (`cost_usd` divides it by the utilisation). None for API backends and when the device time is unknown."""
+    if spec.kind != "engine" or device_seconds is None:
+        return None
+    return max(device_seconds, 0.0) * device_hour_usd(spec) / 3600.0
+
+
 def charge(record: LedgerRecord, spec: BackendSpec, usage: Usage, device_seconds: float | None,
-           utilisation: float | None, policy: Policy, route: RouteSpec, *, estimated: bool = False) -> None:
+           utilisation: float | None, policy: Policy, route: RouteSpec, *, estimated: bool = False,
+           reported_kind: str | None = None) -> None:
     """Fill a ledger row's token counts and cost columns for a request `spec` served with `usage`.
 
-    `estimated`: device_seconds is the learned per-token rate's estimate, not the engine's figure."""
+    `estimated`: device_seconds is the learned per-token rate's estimate, not the engine's figure.
+    `reported_kind`: the device kind the engine itself reports (its /metrics); the policy's price field
+    (cpu_hour_usd or gpu_hour_usd) only says how it is priced, so it is the fallback."""
     cost = request_cost(spec, usage, device_seconds, utilisation)
     record.prompt_tokens = usage.prompt_tokens
     record.cached_prompt_tokens = usage.cached_prompt_tokens
@@ -203,10 +215,12 @@ def charge(record: LedgerRecord, spec: BackendSpec, usage: Usage, device_seconds
     record.cache_savings_usd = cost.cache_savings_usd
     if spec.kind == "engine":
         record.gpu_seconds = device_seconds
-        record.device_hour_usd, record.device_kind = device_hour_usd(spec), device_kind(spec)
+        record.device_hour_usd, record.device_kind = device_hour_usd(spec), reported_kind or device_kind(spec)
         record.utilisation = utilisation
+        record.busy_cost_usd = busy_cost(spec, device_seconds)
     else:
         record.gpu_seconds = None
+        record.busy_cost_usd = None
     record.counterfactual_cost_usd = counterfactual_cost(policy, route, usage)
     record.price_table_version = price_table_version()
 

@@ -63,6 +63,12 @@ class UptimeRecorder:
                 self._emit(name, self._states.pop(name))
         self._prices = dict(prices)
 
+    def set_kind(self, backend: str, kind: str) -> None:
+        """The device kind the engine itself reports: it wins over the one guessed from the policy's price."""
+        price = self._prices.get(backend)
+        if price is not None and price.kind != kind:
+            self._prices[backend] = DevicePrice(price.hour_usd, price.devices, kind)
+
     def observe(self, backend: str, busy_total: float | None, *, started_at: float | None = None,
                 mono: float | None = None, wall: float | None = None) -> None:
         """A successful scrape of `backend` whose busy counter reads `busy_total` (None: engine too old).

@@ -65,6 +65,11 @@ class EngineMetrics:
         self._busy_seen = 0.0
         self.preemptions = Gauge(p + "preemptions", "Sequences preempted (recomputed) since start", registry=r)
         self.ready = Gauge(p + "ready", "1 once the model is loaded", registry=r)
+        # What the engine runs on, so the gateway's ledger says cpu or gpu from the engine, not from how the
+        # policy happens to price it.
+        self.device_info = Gauge(p + "device_info", "1 for the kind of device the model runs on (cpu | gpu)",
+                                 ["kind", "device"], registry=r)
+        self._device_seen = False
         # Speculative decoding: counters advanced by the engine's totals at each scrape.
         self.spec_proposed = Counter(p + "spec_proposed_tokens", "Draft tokens verified by the target model",
                                      registry=r)
@@ -77,10 +82,18 @@ class EngineMetrics:
     def observe_request(self, status: str) -> None:
         self.requests.labels(status=status).inc()
 
+    def _observe_device(self, engine: AsyncLLMEngine) -> None:
+        device = getattr(getattr(engine, "engine", None), "device", None)
+        if self._device_seen or device is None:
+            return
+        self.device_info.labels(kind=device_kind(str(getattr(device, "type", device))), device=str(device)).set(1)
+        self._device_seen = True
+
     def render(self, engine: AsyncLLMEngine | None) -> bytes:
         """Refresh the engine gauges and return the exposition text."""
         self.ready.set(1 if engine is not None and engine.alive else 0)
         if engine is not None:
+            self._observe_device(engine)
             s = engine.stats()
             self.running.set(s.num_running)
             self.waiting.set(engine.num_waiting)
@@ -100,3 +113,8 @@ class EngineMetrics:
             self._spec_seen = (max(seen_proposed, s.spec_proposed_tokens), max(seen_accepted, s.spec_accepted_tokens))
             self.spec_acceptance.set(s.spec_accepted_tokens / s.spec_proposed_tokens if s.spec_proposed_tokens else 0.0)
         return generate_latest(self.registry)
+
+
+def device_kind(device_type: str) -> str:
+    """'cpu' for a torch device type of cpu, 'gpu' for an accelerator (cuda, hip, xpu, mps)."""
+    return "cpu" if device_type == "cpu" else "gpu"

@@ -58,6 +58,8 @@ class RequestRow(Base):
     utilisation: Mapped[float | None] = mapped_column(Float)  # engine rows: busy fraction amortised at
     cost_note: Mapped[str | None] = mapped_column(String(64))  # why the cost is $0 or estimated
     cache_savings_usd: Mapped[float | None] = mapped_column(Float)  # API rows: what the cached rate saved
+    # Stable chargeback (migration 0005): device-seconds at the list rate, whatever the utilisation
+    busy_cost_usd: Mapped[float | None] = mapped_column(Float)  # engine rows: gpu_seconds × device_hour_usd / 3600
 
     __table_args__ = (
         Index("ix_requests_created_at", "created_at"),
@@ -141,3 +143,15 @@ class EngineUptimeRow(Base):
     device_kind: Mapped[str] = mapped_column(String(16), nullable=False, default="gpu")
 
     __table_args__ = (Index("ix_engine_uptime_backend_created_at", "backend", "created_at"),)
+
+
+class PolicyVersionRow(Base):
+    """The text of each policy version the gateway loaded, so reports price each ledger row by the policy
+    that served it (`requests.policy_version`). Written once per version (insert-if-absent)."""
+
+    __tablename__ = "policy_versions"
+
+    version: Mapped[str] = mapped_column(String(64), primary_key=True)  # sha256 of the text, 16 hex digits
+    loaded_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)  # first load seen
+    source: Mapped[str | None] = mapped_column(String(1024))  # the file it was read from
+    text: Mapped[str] = mapped_column(Text, nullable=False)

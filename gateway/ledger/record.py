@@ -95,6 +95,8 @@ class LedgerRecord(SpoolRecord):
     utilisation: float | None = None  # engine rows: the busy fraction the cost was amortised at
     cost_note: str | None = None  # why the cost is $0 or estimated (gateway/pricing.py NOTE_*)
     cache_savings_usd: float | None = None  # API rows: cached prompt tokens × (input − cached price)
+    # Stable chargeback (migration 0005)
+    busy_cost_usd: float | None = None  # engine rows: device seconds at the list rate (no idle share)
 
 
 @dataclass(slots=True)
@@ -134,6 +136,24 @@ class ShadowRecord(SpoolRecord):
     threshold: float | None = None
     model_version: str | None = None
     policy_version: str | None = None
+
+
+@dataclass(slots=True)
+class PolicyVersionRecord(SpoolRecord):
+    """Mirrors PolicyVersionRow. `created_at` is the table's `loaded_at` (the spool keeps the writer's name)."""
+
+    version: str
+    created_at: datetime
+    text: str
+    source: str | None = None
+
+    def to_row(self) -> dict[str, Any]:
+        return {"version": self.version, "loaded_at": _utc(self.created_at), "source": self.source,
+                "text": self.text}
+
+    def to_json(self) -> dict[str, Any]:
+        return {"version": self.version, "created_at": _utc(self.created_at).isoformat(), "source": self.source,
+                "text": self.text}
 
 
 def _utc(value: datetime) -> datetime:

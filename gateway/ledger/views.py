@@ -19,6 +19,8 @@ EXTRA_COLUMNS: tuple[str, ...] = (
     "endpoint", "stream", "http_status", "attempts",
     # migration 0003
     "device_hour_usd", "device_kind", "utilisation", "cost_note", "cache_savings_usd",
+    # migration 0005
+    "busy_cost_usd",
 )
 
 ALL_COLUMNS: tuple[str, ...] = STABLE_COLUMNS + EXTRA_COLUMNS

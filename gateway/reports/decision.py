@@ -5,7 +5,9 @@
 formulas over the same inputs (gateway/reports/workbook.py), and its test checks LibreOffice's answers
 against `decide`, so the two can never drift apart silently.
 
-The model, per month (730 hours; the window's traffic scaled by 730 h / the window's hours):
+The model, per month (730 hours; the window's traffic and the engines' paid time both scaled by 730 h / the
+window's hours, one window for both). Prices come from the policy that served each row (its stored version;
+`--policy` replaces them as a labelled what-if):
 - all-API: every token at the reference API's prices (uncached, cached and output per Mtok).
 - all-hosted: the device-hours that many tokens need at the measured throughput, divided by the
   utilisation (idle hours are paid too), times the engines' hourly price.
@@ -34,7 +36,8 @@ class ApiPrice:
 
 @dataclass(frozen=True, slots=True)
 class ApiTraffic:
-    """One API backend's tokens in the window, with its prices (None when unpriced)."""
+    """One API backend's tokens in the window, with its prices (None when unpriced). When the policy versions
+    in the window price the backend differently, one entry per version, labelled 'backend @ version'."""
 
     backend: str
     prompt_tokens: int
@@ -42,6 +45,12 @@ class ApiTraffic:
     completion_tokens: int
     spend_usd: float
     price: ApiPrice | None
+    label: str | None = None
+    policy_versions: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return self.label or self.backend
 
 
 @dataclass(slots=True)
@@ -59,6 +68,8 @@ class DecisionInputs:
     busy_hours: float
     utilisation: float | None  # measured busy / up; None without uptime rows
     notes: list[str] = field(default_factory=list)
+    pricing: list[str] = field(default_factory=list)  # which policy priced the rows (ServedPolicies.lines)
+    window_note: str | None = None  # the short-window label, when the window is under a day
 
     @property
     def monthly_scale(self) -> float:
@@ -66,23 +77,33 @@ class DecisionInputs:
 
     @classmethod
     def from_ledger(cls, ledger: Ledger, window: Window, policy) -> DecisionInputs:
+        """`policy`: a Policy (every row priced with it) or a served_policy.ServedPolicies."""
         summary = ledger.summary(window)
         engines = ledger.engines(window)
-        return cls.from_figures(summary, engines, ledger.api_backends(window), policy)
+        return cls.from_figures(summary, engines, ledger.api_backends_by_version(window), policy)
 
     @classmethod
     def from_figures(cls, summary: Summary, engines: list[EngineRow], api_rows, policy) -> DecisionInputs:
+        """`api_rows`: figures.ApiBackendRow, per backend or per backend and policy version; `policy`: a Policy
+        (every row priced with it) or a served_policy.ServedPolicies (each row by its own version)."""
+        from gateway.reports.figures import window_caveat
+        from gateway.reports.served_policy import ServedPolicies
+
+        served = policy if isinstance(policy, ServedPolicies) else ServedPolicies.single(policy)
+        policy = served.latest
         prices = api_prices(policy)
         notes: list[str] = []
         reference = reference_price(policy, prices)
         if reference is None:
             notes.append("no priced API backend in the policy: all-API and break-even cannot be computed")
-        api = [ApiTraffic(r.backend, r.prompt_tokens, r.cached_prompt_tokens, r.completion_tokens, r.spend_usd,
-                          prices.get(r.backend)) for r in api_rows]
+        elif served.spans_several and not served.what_if:
+            notes.append(f"all-API is priced at {reference.backend!r} of the newest policy version in the window "
+                         f"({policy.version})")
+        api = api_traffic(api_rows, served)
         for a in api:
             if a.price is None:
-                notes.append(f"API backend {a.backend!r} has no price in the policy: its tokens count at $0 "
-                             "in the current mix")
+                notes.append(f"API backend {a.name!r} has no price in the policy that served it: its tokens count "
+                             "at $0 in the current mix")
         up = sum(e.up_seconds for e in engines)
         busy = sum(e.busy_seconds for e in engines)
         seconds = sum(e.throughput_seconds for e in engines)
@@ -102,7 +123,7 @@ class DecisionInputs:
             device_hour_usd=hourly, devices=sum(e.devices for e in engines) or 1,
             tokens_per_s=tokens / seconds if seconds > 0 and tokens > 0 else None,
             up_hours=up / 3600.0, busy_hours=busy / 3600.0, utilisation=busy / up if up > 0 else None,
-            notes=notes)
+            notes=notes, pricing=served.lines(), window_note=window_caveat(summary))
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,6 +235,29 @@ def api_prices(policy) -> dict[str, ApiPrice]:
         if prices is not None:
             out[name] = ApiPrice(name, spec.model, prices.input_per_token * 1e6, prices.cached_input_per_token * 1e6,
                                  prices.output_per_token * 1e6)
+    return out
+
+
+def api_traffic(api_rows, served) -> list[ApiTraffic]:
+    """Each API backend's traffic priced by the policy version that served it. A backend that every version
+    prices alike is one entry; one priced differently by different versions is one entry per version."""
+    by_policy: dict[int, dict[str, ApiPrice]] = {}
+    groups: dict[str, list[tuple[object, ApiPrice | None]]] = {}
+    for r in api_rows:
+        pol = served.for_version(getattr(r, "policy_version", None))
+        prices = by_policy.setdefault(id(pol), api_prices(pol))
+        groups.setdefault(r.backend, []).append((r, prices.get(r.backend)))
+    out = []
+    for backend, rows in groups.items():
+        distinct = {p for _, p in rows}
+        parts = [rows] if len(distinct) == 1 else [[x] for x in rows]
+        for part in parts:
+            versions = tuple(sorted({getattr(r, "policy_version", None) or "" for r, _ in part} - {""}))
+            label = None if len(parts) == 1 else f"{backend} @ {versions[0] if versions else 'no version'}"
+            out.append(ApiTraffic(backend, sum(r.prompt_tokens for r, _ in part),
+                                  sum(r.cached_prompt_tokens for r, _ in part),
+                                  sum(r.completion_tokens for r, _ in part), sum(r.spend_usd for r, _ in part),
+                                  part[0][1], label, versions))
     return out
 
 

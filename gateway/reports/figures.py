@@ -10,6 +10,12 @@ functions, so a figure means the same thing everywhere. Definitions (docs/sql-co
   **utilisation** = busy / paid. **cost of idle** = (paid − busy) × the engine's hourly price.
 - **charged** is what the ledger rows say the requests cost (`cost_usd`, each row amortised at the busy
   fraction of its moment). It is an estimate per request; the reports' truth is paid time.
+- **charged at list rate** (`busy_cost_usd`) is each engine row's device seconds at the engine's hourly
+  price, with no share of idle: the same request always costs the same (stable chargeback). The engine's
+  **cost of idle** is then allocated as its own line: to teams in proportion to their device seconds.
+- The **window** is one span for traffic and engine time alike: from the first request or engine-uptime
+  interval to the last (at least a minute). Monthly figures scale everything by 730 h / the window's
+  hours; a window shorter than a day is labelled as such (it misses the daily cycle).
 - **throughput** is tokens (prompt + completion) per busy second: what the engine does when it works.
 - With `team`, engine time is allocated to the team by its share of the engine's attributed device
   seconds (`gpu_seconds`) in the window: idle time is shared out at the measured utilisation.
@@ -26,6 +32,7 @@ from typing import Any, Self
 import sqlalchemy as sa
 
 HOURS_PER_MONTH = 730.0  # 8,760 hours a year / 12
+MIN_WINDOW_S = 60.0  # a shorter window (one request, no uptime) still scales; it is labelled as tiny
 UTILISATION_LEVELS = (0.10, 0.25, 0.50, 0.75, 1.00)
 
 
@@ -103,6 +110,7 @@ class ApiBackendRow:
     cache_savings_usd: float
     unpriced_requests: int  # rows flagged cost_note = 'unpriced_model'
     price_table_version: str | None
+    policy_version: str | None = None  # api_backends_by_version: the policy version that served these rows
 
 
 @dataclass(slots=True)
@@ -125,6 +133,7 @@ class EngineRow:
     attributed_seconds: float  # SUM(gpu_seconds) of its requests
     charged_usd: float  # SUM(cost_usd) of its requests
     counterfactual_usd: float
+    busy_list_usd: float = 0.0  # its requests at the list rate (busy_cost_usd): stable chargeback
     team_share: float = 1.0  # with a team filter: the team's share of attributed seconds
 
     @property
@@ -134,6 +143,12 @@ class EngineRow:
     @property
     def idle_usd(self) -> float:
         return self.paid_usd - self.busy_usd
+
+    @property
+    def unallocated_usd(self) -> float | None:
+        """Paid time not charged to any request at the list rate (idle, plus busy work no request was charged
+        for): what is shared out on top of the list-rate charges, in proportion to them. None without uptime."""
+        return self.paid_usd - self.busy_list_usd if self.has_uptime else None
 
     @property
     def utilisation(self) -> float | None:
@@ -186,9 +201,9 @@ class HourRow:
 class Summary:
     """Whole-window totals for the decision: how much traffic, on which side, over how many days."""
 
-    first: datetime | None
-    last: datetime | None
-    days: float  # covered span in days (≥ 1 hour's worth, so a one-request ledger still scales)
+    first: datetime | None  # first request
+    last: datetime | None  # last request
+    days: float  # the one window, in days: requests and engine uptime together (≥ MIN_WINDOW_S)
     requests: int
     prompt_tokens: int
     cached_prompt_tokens: int
@@ -200,6 +215,18 @@ class Summary:
     zero_cost_unexplained: int  # served rows at $0 with no cost_note: must be 0
     notes: dict[str, int] = field(default_factory=dict)  # cost_note → rows
     counterfactual_charged_usd: float = 0.0  # what the in-house rows with an API alternative were charged
+    window_start: datetime | None = None  # first request or engine-uptime interval in the window
+    window_end: datetime | None = None  # last request, or the end of the last uptime interval
+    busy_list_usd: float = 0.0  # engine rows at the list rate (SUM busy_cost_usd, else gpu_seconds × $/h)
+
+    @property
+    def window_hours(self) -> float:
+        return self.days * 24.0
+
+    @property
+    def short_window(self) -> bool:
+        """Shorter than a day: monthly figures extrapolate part of a day and miss the daily cycle."""
+        return self.requests > 0 and self.days < 1.0
 
     @property
     def realised_savings_usd(self) -> float:
@@ -208,6 +235,21 @@ class Summary:
 
 
 # --------------------------------------------------------------------------------------------- SQL
+
+
+# An engine row's cost at the list rate: the stored busy_cost_usd (migration 0005), else (older rows) the same
+# product from the columns it is made of.
+LIST_COST_SQL = "COALESCE(busy_cost_usd, COALESCE(gpu_seconds, 0.0) * COALESCE(device_hour_usd, 0.0) / 3600.0)"
+
+
+def window_caveat(summary: Summary) -> str | None:
+    """The label every report prints for a window shorter than a day (None for a day or more)."""
+    if not summary.short_window:
+        return None
+    seconds = summary.days * 86400.0
+    span = f"{seconds / 60:,.0f} minutes" if seconds < 5400 else f"{seconds / 3600:,.1f} hours"
+    return (f"SHORT WINDOW: the ledger covers {span}, less than a day; monthly figures scale it "
+            f"x{HOURS_PER_MONTH * 3600 / seconds:,.0f} and miss the daily cycle: treat them as rough")
 
 
 def day_sql(dialect: str, column: str = "created_at") -> str:
@@ -291,16 +333,35 @@ class Ledger:
                    COALESCE(SUM(CASE WHEN status = 'ok' AND cost_usd = 0 AND cost_note IS NULL
                                      AND backend IS NOT NULL THEN 1 ELSE 0 END), 0),
                    COALESCE(SUM(CASE WHEN cost_basis = 'gpu_amortized' AND counterfactual_cost_usd IS NOT NULL
-                                     THEN cost_usd ELSE 0.0 END), 0.0)
+                                     THEN cost_usd ELSE 0.0 END), 0.0),
+                   COALESCE(SUM(CASE WHEN cost_basis = 'gpu_amortized' THEN {LIST_COST_SQL} ELSE 0.0 END), 0.0)
             FROM requests {where}""", params)[0]
         first, last = _as_utc(row[0]), _as_utc(row[1])
-        span_days = (last - first).total_seconds() / 86400.0 if first and last else 0.0
+        start, end = self._window_span(w, first, last)
+        span_s = (end - start).total_seconds() if start and end else 0.0
         where_n, params_n = self._where(w, extra="cost_note IS NOT NULL")
         notes = {r[0]: int(r[1]) for r in self._rows(
             f"SELECT cost_note, COUNT(*) FROM requests {where_n} GROUP BY cost_note ORDER BY cost_note", params_n)}
-        return Summary(first, last, max(span_days, 1.0 / 24.0) if first else 0.0, int(row[2]), int(row[3]),
-                       int(row[4]), int(row[5]), float(row[6]), float(row[7]), float(row[8]), float(row[9]),
-                       int(row[10]), notes, float(row[11]))
+        return Summary(first, last, max(span_s, MIN_WINDOW_S) / 86400.0 if first else 0.0, int(row[2]),
+                       int(row[3]), int(row[4]), int(row[5]), float(row[6]), float(row[7]), float(row[8]),
+                       float(row[9]), int(row[10]), notes, float(row[11]), start, end, float(row[12]))
+
+    def _window_span(self, w: Window, first: datetime | None,
+                     last: datetime | None) -> tuple[datetime | None, datetime | None]:
+        """One span for traffic and paid engine time: the requests' and the uptime intervals' together, so the
+        engines' up-time and the traffic are scaled to a month by the same factor."""
+        uw, up = self._where(w, team=False)
+        u_first = _as_utc(self._rows(f"SELECT MIN(created_at) FROM engine_minutes {uw}", up)[0][0])
+        tail = self._rows(f"SELECT created_at, seconds FROM engine_minutes {uw} ORDER BY created_at DESC, seconds DESC "
+                          "LIMIT 1", up)
+        u_last = None
+        if tail:  # an interval's row is stamped at its start: it ends `seconds` later
+            u_last = _as_utc(tail[0][0]) + timedelta(seconds=float(tail[0][1] or 0.0))
+            if w.until is not None:
+                u_last = min(u_last, w.until)
+        starts = [t for t in (first, u_first) if t is not None]
+        ends = [t for t in (last, u_last) if t is not None]
+        return (min(starts) if starts else None), (max(ends) if ends else None)
 
     def traffic_daily(self, w: Window) -> list[TrafficRow]:
         where, params = self._where(w)
@@ -326,6 +387,20 @@ class Ledger:
             FROM requests {where}
             GROUP BY backend ORDER BY backend""", params)]
 
+    def api_backends_by_version(self, w: Window) -> list[ApiBackendRow]:
+        """api_backends, one row per backend and the policy version that served it (reports price each
+        version's tokens by its own policy)."""
+        where, params = self._where(w, extra="cost_basis = 'api_price' AND backend IS NOT NULL")
+        return [ApiBackendRow(r[0], r[1], int(r[2]), int(r[3]), int(r[4]), int(r[5]), float(r[6]), float(r[7]),
+                              int(r[8]), r[9], r[10])
+                for r in self._rows(f"""
+            SELECT backend, MAX(served_model), COUNT(*), SUM(prompt_tokens), SUM(cached_prompt_tokens),
+                   SUM(completion_tokens), SUM(cost_usd), COALESCE(SUM(cache_savings_usd), 0.0),
+                   SUM(CASE WHEN cost_note = 'unpriced_model' THEN 1 ELSE 0 END), MAX(price_table_version),
+                   policy_version
+            FROM requests {where}
+            GROUP BY backend, policy_version ORDER BY backend, MIN(created_at)""", params)]
+
     def engines(self, w: Window) -> list[EngineRow]:
         """Every engine backend with uptime or requests in the window."""
         uw, up = self._where(w, team=False)
@@ -338,7 +413,7 @@ class Ledger:
         served = {r[0]: r for r in self._rows(f"""
             SELECT backend, COUNT(*), SUM(prompt_tokens), SUM(cached_prompt_tokens), SUM(completion_tokens),
                    COALESCE(SUM(gpu_seconds), 0.0), SUM(cost_usd), COALESCE(SUM(counterfactual_cost_usd), 0.0),
-                   MAX(device_hour_usd), MAX(device_kind)
+                   MAX(device_hour_usd), MAX(device_kind), COALESCE(SUM({LIST_COST_SQL}), 0.0)
             FROM requests {rw} GROUP BY backend""", rp)}
         everyone: dict[str, float] = {}
         if w.team is not None:
@@ -370,6 +445,7 @@ class Ledger:
                 attributed_seconds=attributed,
                 charged_usd=float(s[6]) if s else 0.0,
                 counterfactual_usd=float(s[7]) if s else 0.0,
+                busy_list_usd=float(s[10]) if s else 0.0,
                 team_share=share,
             ))
         return out
@@ -417,6 +493,28 @@ class Ledger:
                 for r in self._rows(f"""
             SELECT {column}, COUNT(*), SUM(prompt_tokens + completion_tokens), SUM(cost_usd)
             FROM requests {where} GROUP BY {column} ORDER BY SUM(cost_usd) DESC, {column} LIMIT :limit""", params)]
+
+    def policy_versions(self, w: Window) -> list[dict[str, Any]]:
+        """The policy versions that served the window's rows: version, rows, first and last row, oldest first."""
+        where, params = self._where(w)
+        return [{"version": r[0], "rows": int(r[1]), "first": _as_utc(r[2]), "last": _as_utc(r[3])}
+                for r in self._rows(f"""
+            SELECT policy_version, COUNT(*), MIN(created_at), MAX(created_at) FROM requests {where}
+            GROUP BY policy_version ORDER BY MIN(created_at), policy_version""", params)]
+
+    def policy_texts(self, versions: list[str]) -> dict[str, tuple[str, str | None]]:
+        """version → (text, source) of the stored policy versions among `versions` (empty on a database from
+        before migration 0005, which has no policy_versions table)."""
+        wanted = [v for v in versions if v]
+        if not wanted:
+            return {}
+        stmt = sa.text("SELECT version, text, source FROM policy_versions WHERE version IN :versions").bindparams(
+            sa.bindparam("versions", expanding=True))
+        try:
+            with self.engine.connect() as conn:
+                return {r[0]: (r[1], r[2]) for r in conn.execute(stmt, {"versions": wanted})}
+        except sa.exc.SQLAlchemyError:
+            return {}
 
     def decisions(self, w: Window) -> list[dict[str, Any]]:
         """Router decisions: requests per route, reason and backend."""

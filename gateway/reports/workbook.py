@@ -36,6 +36,7 @@ class Book:
     decision: ws.DecisionCells
     summary: figures.Summary
     window: Window
+    engines: list[figures.EngineRow]
 
 
 def definitions() -> list[str]:
@@ -61,8 +62,11 @@ def definitions() -> list[str]:
 
 def build(ledger: Ledger, window: Window, policy, *, bench: str | None, database: str,
           progress: Any = None) -> Book:
-    """Every sheet, in dependency order (a formula can only name a cell that already has an address)."""
+    """Every sheet, in dependency order (a formula can only name a cell that already has an address).
+
+    `policy`: a served_policy.ServedPolicies (each row priced by the policy that served it), or one Policy."""
     from gateway.pricing import price_table_version
+    from gateway.reports.served_policy import ServedPolicies
 
     def step(name: str) -> None:
         if progress is not None:
@@ -72,10 +76,11 @@ def build(ledger: Ledger, window: Window, policy, *, bench: str | None, database
     summary = ledger.summary(window)
     engines = ledger.engines(window)
     api_rows = ledger.api_backends(window)
-    inputs = dec.DecisionInputs.from_figures(summary, engines, api_rows, policy)
+    served = policy if isinstance(policy, ServedPolicies) else ServedPolicies.single(policy)
+    inputs = dec.DecisionInputs.from_figures(summary, engines, ledger.api_backends_by_version(window), served)
     traffic = ws.traffic_sheet(ledger.traffic_daily(window))
     step("Traffic")
-    prices, price_cells = ws.prices_sheet(policy, api_rows, engines, price_table_version)
+    prices, price_cells = ws.prices_sheet(served.latest, api_rows, engines, price_table_version, inputs.api)
     step("Prices")
     in_house, engine_cells = ws.in_house_sheet(engines, ledger.busy_by_hour(window), price_cells)
     step("In-house")
@@ -83,10 +88,11 @@ def build(ledger: Ledger, window: Window, policy, *, bench: str | None, database
     step("Decision")
     ladder = ws.ladder_sheet(bench, price_cells, decision_cells)
     step("Ladder")
-    notes = ws.notes_sheet(window.describe(), database, getattr(policy, "source", "") or "", summary, inputs,
+    notes = ws.notes_sheet(window.describe(), database, served.label(), summary, inputs,
                            datetime.now(UTC), definitions())
     step("Notes")
-    return Book([traffic, prices, in_house, decision, ladder, notes], inputs, decision_cells, summary, window)
+    return Book([traffic, prices, in_house, decision, ladder, notes], inputs, decision_cells, summary, window,
+                engines)
 
 
 # --------------------------------------------------------------------------------------------- rendering
@@ -180,8 +186,9 @@ def summary_lines(book: Book) -> list[str]:
     priced = "" if x.utilisation is not None else f" (all-hosted priced at an assumed {u:.0%})"
     be = r.break_even_utilisation
     verdict = {"hosting": "hosting is cheaper", "API": "the API is cheaper", "unknown": "verdict unknown"}[r.cheaper]
-    return [
-        f"window: {book.window.describe()} ({x.window_hours:,.1f} h)",
+    lines = [line for line in (x.window_note,) if line] + x.pricing
+    return lines + [
+        f"window: {book.window.describe()} ({x.window_hours:,.2f} h, traffic and engine time together)",
         f"requests: {s.requests:,} ({s.prompt_tokens + s.completion_tokens:,} tokens, ${s.spend_usd:,.2f} charged)",
         f"measured utilisation: {measured}{priced}",
         (f"monthly: all-API {_usd(r.all_api_usd)} vs all-hosted {_usd(r.all_hosted_usd)} vs current mix "
@@ -189,21 +196,40 @@ def summary_lines(book: Book) -> list[str]:
         (f"break-even utilisation: {'n/a' if be is None else f'{be:.1%}'} ({verdict} at {u:.1%}); "
         f"{dec.standing(r, u)}"),
         f"cost of idle: {_usd(r.idle_usd)}/month (paid device-hours not spent on requests)",
-    ]
+    ] + chargeback_lines(book.engines)
+
+
+def chargeback_lines(engines: list[figures.EngineRow]) -> list[str]:
+    """Per engine: the stable list-rate charges, the utilisation-amortised ones, and the paid time left over."""
+    out = []
+    for e in engines:
+        left = e.unallocated_usd
+        tail = "" if left is None else (f", paid ${e.paid_usd:,.2f}: ${left:,.2f} not charged at list rate "
+                                        "(idle and unattributed work), shared out by device seconds")
+        out.append(f"chargeback {e.backend} ({e.device_kind or 'device ?'}): ${e.busy_list_usd:,.4f} at the list "
+                   f"rate (device-seconds x ${e.device_hour_usd or 0:,.2f}/h), ${e.charged_usd:,.4f} "
+                   f"utilisation-amortised{tail}")
+    return out
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
     from gateway import db, settings
-    from gateway.policy import PolicyError, load_policy
+    from gateway.policy import PolicyError
+    from gateway.reports.served_policy import resolve
 
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
     try:
         window = Window.parse(args.since, args.until, getattr(args, "team", None))
-        policy = load_policy(args.policy or settings.DEFAULT_POLICY)
         url = settings.database_url(args.database_url)
         ledger = Ledger.open(url)
-    except (ReportError, PolicyError) as e:
+    except ReportError as e:
+        print(f"ERROR: {e}", file=err)
+        return 1
+    try:  # each row by the policy version that served it; --policy is an explicit what-if
+        policy = resolve(ledger, window, args.policy, settings.DEFAULT_POLICY)
+    except (PolicyError, SQLAlchemyError) as e:
+        ledger.close()
         print(f"ERROR: {e}", file=err)
         return 1
     from tqdm import tqdm

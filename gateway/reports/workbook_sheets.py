@@ -151,23 +151,32 @@ class PriceCells:
 EDIT_ME = "edit me: the other sheets recompute from this price"
 
 
-def prices_sheet(policy, api_rows, engines: list[EngineRow], price_table_version) -> tuple[Sheet, PriceCells]:
+def prices_sheet(policy, api_rows, engines: list[EngineRow], price_table_version,
+                 traffic: list[dec.ApiTraffic] | None = None) -> tuple[Sheet, PriceCells]:
+    """`policy`: the newest policy that served the window; `traffic`: the Decision's API traffic, each priced by
+    the policy version that served it (a backend priced differently by two versions gets a row for each)."""
     from gateway.pricing import device_count, device_hour_usd, device_kind
 
     s = Sheet("Prices", widths={1: 16, 2: 26, 3: 14, 4: 14, 5: 14, 6: 30, 7: 40})
     cells = PriceCells()
     prices = dec.api_prices(policy)
+    served = {a.name: a for a in traffic or []}
+    prices.update({name: a.price for name, a in served.items() if a.price is not None})
     ledger_api = {r.backend: r for r in api_rows}
     first = s.header(["API backend", "model", "input $/Mtok", "cached input $/Mtok", "output $/Mtok",
                       "price-table version", "status"])
-    names = list(prices) + [b for b in ledger_api if b not in prices]
+    names = list(prices) + [n for n in served if n not in prices] + [
+        b for b in ledger_api if b not in prices and b not in served]
     for name in names:
-        p, lr = prices.get(name), ledger_api.get(name)
-        spec = policy.backends.get(name)
+        a = served.get(name)
+        backend = a.backend if a is not None else name
+        p, lr = prices.get(name), ledger_api.get(backend)
+        spec = policy.backends.get(backend)
         model = p.model if p else (spec.model if spec is not None else (lr.served_model if lr else None))
         version = (lr.price_table_version if lr and lr.price_table_version else price_table_version())
         if p is not None:
-            status = "priced"
+            status = "priced" + (f" by policy version {', '.join(a.policy_versions)}" if a and a.policy_versions
+                                 else "")
             vals = (p.input_per_mtok, p.cached_per_mtok, p.output_per_mtok)
         else:
             status = ("unpriced: not in the policy" if spec is None else "unpriced: no price in litellm's map or "
@@ -209,7 +218,8 @@ ENGINE_HEAD = ["engine backend", "device kind", "devices", "requests", "prompt t
                "completion tokens", "tokens", "up (paid) s", "busy s", "measured utilisation",
                "throughput s (busy time behind the tokens)", "tokens/s (engine)", "tokens/s per device",
                "charged USD (ledger rows)", "paid USD", "busy USD", "cost of idle USD", "$/Mtok paid",
-               "$/Mtok @ measured utilisation"] + [f"$/Mtok @ {u:.0%}" for u in UTILISATION_LEVELS]
+               "$/Mtok @ measured utilisation"] + [f"$/Mtok @ {u:.0%}" for u in UTILISATION_LEVELS] + [
+               "charged at list rate USD (busy_cost_usd)", "paid not charged at list rate USD (idle, allocated)"]
 
 
 @dataclass
@@ -260,6 +270,9 @@ def in_house_sheet(engines: list[EngineRow], hours: list[HourRow], prices: Price
                       _mtok_formula(price, a["tps"], a["util"]), USD_MTOK))
         for lvl in UTILISATION_LEVELS:
             row.append(_c(_num(e.usd_per_mtok_at(lvl)), _mtok_formula(price, a["tps"], repr(lvl)), USD_MTOK))
+        row.append(_c(e.busy_list_usd, fmt=USD))
+        list_ref = f"{col_letter(len(row))}{r}"
+        row.append(_c(e.unallocated_usd, f"={a['paid']}-{list_ref}", USD) if up else Cell(NO_UPTIME))
         s.add(row)
         out.tokens.append(s.ref(r, 8))
         out.throughput_s.append(s.ref(r, 12))
@@ -270,6 +283,10 @@ def in_house_sheet(engines: list[EngineRow], hours: list[HourRow], prices: Price
     s.add([Cell("cost of idle = paid device-hours not spent on requests: (up − busy) seconds at the engine's "
                 "hourly price; $/Mtok = device $/hour (Prices sheet) / (tokens/s × 3600 × utilisation) × 1e6",
                 bold=False)])
+    s.add([Cell("chargeback: 'charged at list rate' is each request's device seconds × the engine's $/hour "
+                "(busy_cost_usd: the same request always costs the same); 'charged USD' divides that by the "
+                "utilisation of its moment; the paid time not charged at list rate (idle and unattributed "
+                "work) is allocated to teams in proportion to their device seconds", bold=False)])
     s.add([])
     hfirst = s.header(["hour (UTC)", "engine backend", "up s", "busy s", "utilisation"])
     for h in hours:
@@ -315,7 +332,9 @@ def decision_sheet(x: dec.DecisionInputs, prices: PriceCells, eng: EngineCells) 
 
     s.add([Cell("INPUTS", bold=True)])
     line("wh", "window hours", x.window_hours, None, DEC,
-         "hours the ledger window covers (first to last request, at least one hour)")
+         "hours the ledger window covers: first to last request or engine-uptime interval, one window for "
+         "traffic and paid engine time (at least a minute)" + (f". {x.window_note}" if x.window_note else ""),
+         bold=x.window_note is not None)
     line("m", "monthly scale", x.monthly_scale, f"=IF({r_('wh')}>0,{HOURS_PER_MONTH:g}/{r_('wh')},0)", "0.0000",
          f"{HOURS_PER_MONTH:g} hours a month / window hours: the window's traffic scaled to a month")
     line("P", "prompt tokens in the window", x.prompt_tokens, None, INT, "all traffic, served by anyone")
@@ -402,12 +421,12 @@ def decision_sheet(x: dec.DecisionInputs, prices: PriceCells, eng: EngineCells) 
     cost_refs = []
     for a in x.api:
         r = s.next_row
-        pr = prices.api[a.backend]
+        pr = prices.api[a.name]
         pv = a.price
         cost = 0.0 if pv is None else dec._per_mtok(a.prompt_tokens - a.cached_prompt_tokens, pv.input_per_mtok) + \
             dec._per_mtok(a.cached_prompt_tokens, pv.cached_per_mtok) + dec._per_mtok(a.completion_tokens,
                                                                                          pv.output_per_mtok)
-        s.add([a.backend, _c(a.prompt_tokens, fmt=INT), _c(a.cached_prompt_tokens, fmt=INT),
+        s.add([a.name, _c(a.prompt_tokens, fmt=INT), _c(a.cached_prompt_tokens, fmt=INT),
                _c(a.completion_tokens, fmt=INT),
                _c(_num(pv.input_per_mtok if pv else None), f"=IF(ISNUMBER({pr[0]}),{pr[0]},\"{NA}\")", USD_MTOK),
                _c(_num(pv.cached_per_mtok if pv else None), f"=IF(ISNUMBER({pr[1]}),{pr[1]},\"{NA}\")", USD_MTOK),
@@ -474,6 +493,10 @@ def notes_sheet(window_text: str, database: str, policy_source: str, summary: Su
     s.add(["generated (UTC)", generated.strftime("%Y-%m-%d %H:%M:%S")])
     s.add(["database", database])
     s.add(["policy", policy_source])
+    for line in x.pricing[1:]:
+        s.add(["", line.strip()])
+    if x.window_note:
+        s.add(["window length", x.window_note])
     s.add(["first request", summary.first.isoformat() if summary.first else NA])
     s.add(["last request", summary.last.isoformat() if summary.last else NA])
     s.add(["served at $0 with no cost note", _c(summary.zero_cost_unexplained, fmt=INT)])

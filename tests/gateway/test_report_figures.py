@@ -160,7 +160,9 @@ def test_summary(seeded: str, ledger: Ledger) -> None:
     assert s.spend_usd == approx(spend) and s.api_spend_usd == approx(api)
     assert s.in_house_charged_usd == approx(inh) and s.counterfactual_usd == approx(cf)
     assert s.first == _as_utc(first) and s.last == _as_utc(last)
-    assert s.days == approx((s.last - s.first).total_seconds() / 86400) and 2.9 < s.days <= 3.0
+    # one window for traffic and paid engine time: the uptime minutes cover the whole seeded span
+    assert s.window_start <= s.first and s.window_end >= s.last
+    assert s.days == approx((s.window_end - s.window_start).total_seconds() / 86400) and 2.9 < s.days <= 3.0
     assert s.notes == dict(query(seeded, "SELECT cost_note, COUNT(*) FROM requests WHERE cost_note IS NOT NULL "
                                          "GROUP BY cost_note"))
 

@@ -408,7 +408,10 @@ def test_csv_writes_the_same_numbers(tmp_path, capsys):
     assert _spreadsheet(out, url, "--format", "csv", "--bench", str(tmp_path / "none.json")) == 0
     printed = capsys.readouterr().out.splitlines()
     assert printed[0] == f"wrote {out} (one CSV file per table)"
-    assert printed[-1].startswith("cost of idle: $") and len(printed) == 7
+    # the summary, then one chargeback line per engine (list rate and amortised side by side)
+    assert printed[1].startswith("prices: the policy that served the rows") or printed[1].startswith("prices: ")
+    idle = next(i for i, line in enumerate(printed) if line.startswith("cost of idle: $"))
+    assert [line.split(" ")[0] for line in printed[idle + 1:]] == ["chargeback"] * (len(printed) - idle - 1) != []
     for name in ("traffic", "prices", "in_house", "busy_by_hour", "decision", "ladder"):
         assert (out / f"{name}.csv").exists(), name
 
