@@ -173,22 +173,37 @@ async def _start(config: GatewayConfig) -> Gateway:
 
 
 async def _stop(gw: Gateway) -> None:
+    """Release every part within _STOP_S whatever is broken (a database that never answers, a spool that cannot be
+    written, an engine that ignores SIGTERM): the parts that wait on something close at once, each bounded by
+    what is left of one deadline. What a writer could not write is spooled (replayed at the next start), or
+    counted and logged as lost."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + _STOP_S
     services = gw.services
     await services.policy_store.stop()
+    shadow_closed: asyncio.Future | None = None
     if services.shadow is not None:
-        await services.shadow.aclose()  # finishes queued shadow jobs (they use the pool and the ledger writer)
-    await gw.routing.aclose()  # writes each engine's open uptime interval
-    await services.pool.aclose()
+        # Its queued jobs use the pool and the ledger writer: they get a short drain before those close; its
+        # own writer then closes (bounded) beside the others.
+        services.shadow.drain_timeout_s = min(services.shadow.drain_timeout_s, _SHADOW_DRAIN_S)
+        shadow_closed = asyncio.ensure_future(services.shadow.aclose())
+        await asyncio.wait({shadow_closed}, timeout=_SHADOW_DRAIN_S)
+    await gw.routing.aclose()  # queues each engine's open uptime interval
     await services.auth.aclose()
-    # Both writers at once, each bounded: a database that hangs costs _WRITER_CLOSE_S, not a minute each (what it
-    # did not take is spooled and replays at the next start).
-    await asyncio.gather(services.ledger.close(timeout_s=_WRITER_CLOSE_S),
-                         gw.uptime_writer.close(timeout_s=_WRITER_CLOSE_S))
+    writers_s = max(1.0, deadline - loop.time() - _AFTER_WRITERS_S)
+    writers = [services.ledger, gw.uptime_writer]
+    closing = [services.pool.aclose(), *(writer.close(timeout_s=writers_s) for writer in writers),
+               *([shadow_closed] if shadow_closed is not None else [])]
+    for result in await asyncio.gather(*closing, return_exceptions=True):
+        if isinstance(result, BaseException):
+            log.error("shutdown: closing a part failed: %s", result, exc_info=result)
     with contextlib.suppress(Exception, TimeoutError):
-        await asyncio.wait_for(gw.db_engine.dispose(), 5)
+        await asyncio.wait_for(gw.db_engine.dispose(), max(0.5, deadline - loop.time()))
 
 
-_WRITER_CLOSE_S = 10.0
+_STOP_S = 12.0  # after uvicorn's drain of in-flight requests (serve.py's DRAIN_S): 12 + 12 s < 30 s in every state
+_SHADOW_DRAIN_S = 3.0
+_AFTER_WRITERS_S = 2.5  # what a writer's close takes past its timeout (spooling, disposing), then our dispose
 
 
 async def _apply_policy(gw: Gateway, policy: Policy) -> None:

@@ -168,6 +168,11 @@ def _bootstrap_or_defer(url: str) -> str | None | object:
         return _NO_DATABASE
 
 
+# At SIGTERM, in-flight requests get DRAIN_S to finish (then they are cut, and their rows say so); the app's own
+# shutdown is bounded too (gateway/app.py _STOP_S), so the process exits within 30 s in every state.
+DRAIN_S = 12
+
+
 def _run(app, sock: socket.socket, log_level: str) -> int:
     """uvicorn on the socket bound above. A shutdown signal during start-up (embedded engines still loading)
     stops the wait too, so SIGTERM ends the process in seconds in every state."""
@@ -180,6 +185,6 @@ def _run(app, sock: socket.socket, log_level: str) -> int:
             super().handle_exit(sig, frame)
             interrupt_startup(app)
 
-    server = Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=30, access_log=False))
+    server = Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=DRAIN_S, access_log=False))
     server.run(sockets=[sock])
     return 0 if server.started else 1
