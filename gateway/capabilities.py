@@ -11,6 +11,11 @@ capabilities come from the policy's `capabilities:` block where it says so, and 
   out, counts as supported: the provider's own 400 then reaches the client as a client error. Embeddings:
   only models the map lists with `mode: embedding` (e.g. text-embedding-3-small; gpt-4o-mini is `chat`).
 - engine backends: tools, JSON mode and structured outputs (constrained decoding); no images, no embeddings.
+
+A `/v1/completions` request with a parameter a chat completion cannot carry (`echo`, `logprobs`, `suffix`,
+`best_of` above `n`, token-id or several prompts: gateway/backends/translate.py) needs `native_completions`:
+a backend whose policy `endpoints:` leaves out `completions` (a chat-only upstream, sent completions as chat)
+lacks it. Every other completions or Responses request can go to any backend.
 """
 from __future__ import annotations
 
@@ -18,11 +23,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from gateway import pricing
+from gateway.backends.translate import untranslatable
 
 if TYPE_CHECKING:
     from gateway.policy import BackendSpec
 
 FEATURES = ("tools", "json_mode", "structured_output", "images", "embeddings")
+# Not declared under `capabilities:` but by the backend's `endpoints:` (the policy's BackendSpec).
+NATIVE_COMPLETIONS = "native_completions"
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,10 +41,11 @@ class Capabilities:
     images: bool = True
     embeddings: bool = True
     max_context: int | None = None  # prompt tokens the backend accepts; None: not known, not checked
+    native_completions: bool = True  # serves /v1/completions itself (not only as chat)
 
     def missing(self, needs: frozenset[str], prompt_tokens: int | None = None) -> list[str]:
         """The needed features this backend lacks, in FEATURES order (plus `context` when too long)."""
-        out = [f for f in FEATURES if f in needs and not getattr(self, f)]
+        out = [f for f in (*FEATURES, NATIVE_COMPLETIONS) if f in needs and not getattr(self, f)]
         if prompt_tokens is not None and self.max_context is not None and prompt_tokens > self.max_context:
             out.append("context")
         return out
@@ -48,6 +57,8 @@ def needs(body: dict, endpoint: str = "chat") -> frozenset[str]:
     if endpoint == "embeddings":
         return _EMBEDDINGS
     found = set()
+    if endpoint == "completions" and untranslatable(body) is not None:
+        found.add(NATIVE_COMPLETIONS)
     if body.get("tools") and body.get("tool_choice") != "none":
         found.add("tools")
     fmt = body.get("response_format")
@@ -75,15 +86,16 @@ def of(spec: BackendSpec) -> Capabilities:
         return base
     return Capabilities(**{name: (getattr(declared, name) if getattr(declared, name) is not None
                                   else getattr(base, name))
-                           for name in (*FEATURES, "max_context")})
+                           for name in (*FEATURES, "max_context")}, native_completions=base.native_completions)
 
 
 def _derived(spec: BackendSpec) -> Capabilities:
+    native = spec.endpoints is None or "completions" in spec.endpoints
     if spec.kind == "engine":
-        return Capabilities(images=False, embeddings=False)
+        return Capabilities(images=False, embeddings=False, native_completions=native)
     info = pricing.model_info(spec.model)
     if info is None:
-        return Capabilities()
+        return Capabilities(native_completions=native)
     if info.get("mode") == "embedding":
         return Capabilities(tools=False, json_mode=False, structured_output=False, images=False, embeddings=True,
                             max_context=info.get("max_input_tokens"))
@@ -93,4 +105,5 @@ def _derived(spec: BackendSpec) -> Capabilities:
 
     return Capabilities(tools=flag("supports_function_calling"), json_mode=flag("supports_response_schema")
                         or flag("supports_function_calling"), structured_output=flag("supports_response_schema"),
-                        images=flag("supports_vision"), embeddings=False, max_context=info.get("max_input_tokens"))
+                        images=flag("supports_vision"), embeddings=False, max_context=info.get("max_input_tokens"),
+                        native_completions=native)

@@ -27,6 +27,7 @@ from gateway.backends.base import (
     Usage,
 )
 from gateway.backends.resilience import BreakerRegistry, complete_with_fallbacks, open_stream_with_fallbacks
+from gateway.backends.translate import ledger_endpoint
 from gateway.ledger.record import ENDPOINT_NAMES, LedgerRecord
 from gateway.ledger.writer import LedgerWriter
 from gateway.redact import configured_secrets, redact
@@ -294,6 +295,7 @@ async def _complete(services: Services, request: Request, call: Call) -> Respons
     if isinstance(outcome, Response):
         return outcome
     completion, backend, _ = outcome
+    call.record.endpoint = ledger_endpoint(call.record.endpoint, completion.served_as)  # sent as chat: the row says so
     call.record.ttft_ms = (time.perf_counter() - call.started) * 1000
     body = completion.body
     body.pop("switchyard", None)
@@ -328,6 +330,7 @@ async def _stream(services: Services, request: Request, call: Call) -> Response:
     if isinstance(outcome, Response):
         return outcome
     backend, chunks, _ = outcome
+    call.record.endpoint = ledger_endpoint(call.record.endpoint, chunks.served_as)  # sent as chat: the row says so
     relay = _Relay(services, call, backend, chunks)
     return EventStreamResponse(relay.body(), on_end=relay.finish,
                                headers={"x-switchyard-backend": backend.name, "x-request-id": call.record.request_id})

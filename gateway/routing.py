@@ -13,8 +13,9 @@ Reasons written to the ledger's `route_reason` (see docs/router.md, "Routing in 
   spillover        easy by score, but the easy engine is saturated → hard
   no_score         no model loaded (yet) or nothing to score → the route's `backend` (default: hard)
   capability       the first choice cannot serve the request (tools, structured output, images, embeddings,
-                   context)
-                   → the first backend of the chain that can (gateway/capabilities.py)
+                   context, a completions parameter a chat-only backend cannot carry)
+                   → the first backend of the chain that can, on fixed routes (their fallbacks) and difficulty
+                   routes alike (gateway/capabilities.py)
   budget           (set in proxy.py) the key cannot afford hard → easy
   fallback         (set in proxy.py) served by a backend other than the chain's first
   shadow, shadow_judge  (gateway/shadow/runner.py) mirrored and judge calls of shadow evaluation
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gateway import admission, capabilities, errors, pricing
+from gateway.backends.translate import refusal_message, untranslatable
 from gateway.engine_load import UNKNOWN, EngineLoad, EngineLoadMonitor
 from gateway.policy import IdleSpec, Policy, RouteSpec, SpilloverSpec
 from gateway.tasks import cancel_and_wait, poll_forever
@@ -129,9 +131,9 @@ _PARAM_OF = {"tools": "tools", "json_mode": "response_format", "structured_outpu
 
 def fit_capabilities(route: RouteSpec, decision: Decision, policy: Policy, body: dict,
                      endpoint: str | None = None, prompt_chars: int | None = None) -> None:
-    """Keep only the chain's backends that can serve `body`. A difficulty route whose first choice cannot
-    escalates to the first that can (reason `capability`); a fixed route whose backend cannot — or any
-    route where none can — is the client's 400, naming what is missing."""
+    """Keep only the chain's backends that can serve `body`. A route whose first choice cannot goes to the
+    first backend of its chain that can (reason `capability`): a difficulty route escalates, a fixed route skips
+    to a fallback. Where none can, it is the client's 400, naming what is missing."""
     endpoint = endpoint or ("chat" if "messages" in body else "completions")
     wanted = capabilities.needs(body, endpoint)
     caps = {name: capabilities.of(policy.backends[name]) for name in decision.chain}
@@ -149,14 +151,16 @@ def fit_capabilities(route: RouteSpec, decision: Decision, policy: Policy, body:
     if not missing[first]:
         decision.chain = capable
         return
-    if route.strategy != "difficulty" or not capable:
+    if not capable:
         lacking = missing[first]
+        if lacking == [capabilities.NATIVE_COMPLETIONS]:
+            param = untranslatable(body) or "prompt"
+            raise errors.invalid_request(f"Route '{route.name}': {refusal_message(param)} No backend of the route "
+                                         "serves /v1/completions itself.", param=param, code="unsupported_parameter")
         what = "does not serve embeddings" if lacking == ["embeddings"] else \
             f"does not support {', '.join(lacking)} (this request needs it)"
-        raise errors.invalid_request(
-            f"Route '{route.name}' is served by '{first}', which {what}"
-            f"{'' if capable else '; no backend of the route does'}.",
-            param=_PARAM_OF[lacking[0]], code="unsupported_capability")
+        raise errors.invalid_request(f"Route '{route.name}' is served by '{first}', which {what}; no backend of "
+                                     "the route does.", param=_PARAM_OF[lacking[0]], code="unsupported_capability")
     decision.chain = capable
     decision.reason = "capability"
 

@@ -87,6 +87,7 @@ class Completion:
     usage: Usage
     device_seconds: float | None = None  # engine backends: device time spent on this request
     utilisation: float | None = None  # engine backends: the engine's measured busy fraction
+    served_as: str | None = None  # "chat": a completions/Responses request sent as chat (backends/translate.py)
 
 
 def usage_from_dict(usage: dict | None) -> Usage | None:
@@ -178,6 +179,11 @@ class Backend(abc.ABC):
     def __init__(self, spec: BackendSpec):
         self.name = spec.name
         self.spec = spec
+        # Endpoints ("completions", "responses") this upstream lacks, served as chat (gateway/backends/translate.py):
+        # those the policy's `endpoints:` leaves out, plus those learned from a 404 while the process runs.
+        declared = getattr(spec, "endpoints", None)
+        self.served_as_chat: set[str] = set() if declared is None else \
+            {e for e in ("completions", "responses") if e not in declared}
 
     @abc.abstractmethod
     async def complete(self, payload: dict, endpoint: Endpoint) -> Completion:

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from enum import IntEnum
 from typing import TYPE_CHECKING, TypeVar
 
+from gateway.backends import translate
 from gateway.backends.base import Backend, Completion, Endpoint, UpstreamError
 
 if TYPE_CHECKING:
@@ -221,7 +222,8 @@ async def complete_with_fallbacks(chain: list[Backend], payload: dict, endpoint:
                                   breakers: BreakerRegistry, attempted: list[Backend] | None = None,
                                   ) -> tuple[Completion, Backend, int]:
     """(completion, the backend that served it, attempts made). Raises the last UpstreamError if all fail."""
-    return await _with_fallbacks(chain, breakers, lambda backend: backend.complete(payload, endpoint), attempted)
+    return await _with_fallbacks(chain, breakers, lambda backend: translate.complete(backend, payload, endpoint),
+                                 attempted)
 
 
 class FallbackStream:
@@ -252,6 +254,11 @@ class FallbackStream:
                 self._breaker.record_failure()
             raise
 
+    @property
+    def served_as(self) -> str | None:
+        """"chat" when a completions or Responses stream is served as a chat stream (backends/translate.py)."""
+        return getattr(self._inner, "served_as", None)
+
     async def aclose(self) -> None:
         self._first = None
         await self._inner.aclose()  # type: ignore[attr-defined]
@@ -271,7 +278,7 @@ async def open_stream_with_fallbacks(chain: list[Backend], payload: dict, endpoi
 
 async def _first_chunk(backend: Backend, payload: dict, endpoint: Endpoint) -> tuple[dict, AsyncIterator[dict]]:
     """One stream attempt: open the stream and read its first chunk (the stream is closed if that fails)."""
-    inner = backend.stream(payload, endpoint)
+    inner = translate.stream(backend, payload, endpoint)  # completions/Responses as chat where the backend lacks them
     try:
         try:
             first = await inner.__anext__()

@@ -8,9 +8,11 @@ the official `openai` SDK and litellm's `openai/…` provider work against it un
 Responses are deterministic: `max_tokens` tokens "tok0 tok1 …"; `prompt_tokens` is the number of
 whitespace-separated words in the prompt. `/v1/responses` (the Responses API, plain and streamed with its
 typed events) answers the same text, `max_output_tokens` long; `/v1/embeddings` answers one vector per input
-(`dimensions` long, default 8) from a hash of that input, as floats or base64 (`encoding_format`). Faults and delays are set at start or through the control
-endpoint: `POST /_control` with JSON options (see `StandinOptions`; `{"reset": true}` restores the start
-options and zeroes the counters); `GET /_control` returns counters, options and the last payload.
+(`dimensions` long, default 8) from a hash of that input, as floats or base64 (`encoding_format`). With
+`chat_only` it plays an upstream without /v1/completions and /v1/responses (both answer 404). Faults and
+delays are set at start or through the control endpoint: `POST /_control` with JSON options (see
+`StandinOptions`; `{"reset": true}` restores the start options and zeroes the counters);
+`GET /_control` returns counters, options and the last payload.
 
     with run_standin(engine_extension=True) as base_url:      # "http://127.0.0.1:PORT/v1"
         standin_control(base_url, fail_next=2, fail_status=503, retry_after=0.1)
@@ -79,6 +81,9 @@ class StandinOptions:
     # The message of injected failures (fail_next); "{authorization}" is replaced by the request's
     # Authorization header, the way some providers quote the key they refused.
     fail_message: str | None = None
+    # An upstream that serves chat completions only (llama.cpp, older vLLM, many OpenAI-compatible providers):
+    # /v1/completions and /v1/responses answer 404, as those servers do for a path they lack.
+    chat_only: bool = False
 
 
 @dataclass(slots=True)
@@ -88,6 +93,7 @@ class StandinStats:
     completion_requests: int = 0
     responses_requests: int = 0
     embedding_requests: int = 0
+    not_found: int = 0  # requests to an endpoint the stand-in lacks (chat_only), counted in their kind too
     completed: int = 0  # responses written in full
     failed: int = 0  # injected failures and drops
     disconnects: int = 0  # clients that went away before their response was complete
@@ -441,6 +447,9 @@ class _Connection(asyncio.Protocol):
         if path.startswith("/v1/"):
             path = path[3:]
         if path in _KINDS and method == "POST":
+            if self.state.options.chat_only and _KINDS[path] in ("completions", "responses"):
+                self._not_found(method, path, _KINDS[path])
+                return
             self._completion(body, _KINDS[path], headers)
         elif path == "/_control":
             self._control(method, body)
@@ -454,6 +463,14 @@ class _Connection(asyncio.Protocol):
                                            b"text/plain; version=0.0.4"))
         else:
             self.transport.write(_error(404, f"no route {method} {path}"))
+
+    def _not_found(self, method: str, path: str, kind: str) -> None:
+        stats = self.state.stats
+        stats.requests += 1
+        stats.not_found += 1
+        counter = "completion_requests" if kind == "completions" else "responses_requests"
+        setattr(stats, counter, getattr(stats, counter) + 1)
+        self.transport.write(_error(404, f"no route {method} /v1{path}"))
 
     def _control(self, method: str, body: bytes) -> None:
         if method == "POST":
@@ -728,12 +745,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8100)
     p.add_argument("--engine-extension", action="store_true",
                    help='add the engine\'s "switchyard": {device_seconds, utilisation} object')
+    p.add_argument("--chat-only", action="store_true",
+                   help="serve chat completions only: 404 on /v1/completions and /v1/responses")
     p.add_argument("--token-delay-ms", type=float, default=0.0)
     p.add_argument("--first-byte-delay-ms", type=float, default=0.0)
     p.add_argument("--options", default=None, help="StandinOptions as JSON (overrides the flags)")
     args = p.parse_args(argv)
     options = StandinOptions(engine_extension=args.engine_extension, token_delay_ms=args.token_delay_ms,
-                             first_byte_delay_ms=args.first_byte_delay_ms)
+                             first_byte_delay_ms=args.first_byte_delay_ms, chat_only=args.chat_only)
     if args.options:
         options = StandinOptions(**json.loads(args.options))
 

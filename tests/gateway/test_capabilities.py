@@ -22,6 +22,7 @@ backends:
 routes:
   fixed-engine: {backend: engine, fallbacks: [vision]}
   fixed-vision: {backend: vision, fallbacks: [engine, small-ctx]}
+  fixed-alone: {backend: engine}
   auto: {strategy: difficulty, easy: engine, hard: vision}
   auto-none: {strategy: difficulty, easy: engine, hard: small-ctx}
 """
@@ -67,10 +68,17 @@ def decision(policy, route: str) -> Decision:
     return Decision(chain=chain, reason="fixed" if r.strategy == "fixed" else "difficulty_easy")
 
 
-def test_a_fixed_route_whose_backend_cannot_is_a_400_naming_it(policy) -> None:
+def test_a_fixed_route_whose_backend_cannot_skips_to_a_fallback_that_can(policy) -> None:
+    # issue 31 #11: this was a 400 although the fallback has images
     d = decision(policy, "fixed-engine")
+    fit_capabilities(policy.routes["fixed-engine"], d, policy, {"messages": IMAGE})
+    assert (d.chain, d.reason) == (["vision"], "capability")
+
+
+def test_a_fixed_route_where_no_backend_can_is_a_400_naming_it(policy) -> None:
+    d = decision(policy, "fixed-alone")
     with pytest.raises(APIError) as err:
-        fit_capabilities(policy.routes["fixed-engine"], d, policy, {"messages": IMAGE})
+        fit_capabilities(policy.routes["fixed-alone"], d, policy, {"messages": IMAGE})
     assert err.value.status == 400 and err.value.code == "unsupported_capability"
     assert err.value.param == "messages" and "'engine', which does not support images" in str(err.value)
 
