@@ -30,6 +30,7 @@ from gateway.embedded import EmbeddedEngines
 from gateway.engine_load import EngineLoadMonitor
 from gateway.http_edge import RECORD_KEY, RequestIdMiddleware
 from gateway.ledger.models import RequestRow
+from gateway.ledger.policy_versions import PolicyVersionWriter
 from gateway.ledger.record import ENDPOINT_NAMES, LedgerRecord
 from gateway.ledger.writer import LedgerWriter, ShadowEvalWriter, UptimeWriter
 from gateway.migrate_later import migrate_when_reachable
@@ -71,6 +72,7 @@ class Gateway:
     routing: RoutingRuntime  # difficulty models and engine load (services hold both for the request path)
     services: proxy.Services
     uptime_writer: UptimeWriter  # engine_uptime rows (the recorder inside routing.load feeds it)
+    policy_versions: PolicyVersionWriter | None = None  # each loaded policy's text, for the reports
     started_at: float = field(default_factory=time.time)
 
 
@@ -151,6 +153,8 @@ async def _start(config: GatewayConfig) -> Gateway:
     pool = BackendPool(embedded)
     uptime_writer = UptimeWriter(config.database_url, config.data_dir / "uptime-spool.jsonl")
     await uptime_writer.start()
+    policy_versions = PolicyVersionWriter(config.database_url, config.data_dir / "policy-versions-spool.jsonl")
+    await policy_versions.start()
     breakers, limiter = BreakerRegistry(), RateLimiter()
     routing = RoutingRuntime(load=EngineLoadMonitor(uptime=UptimeRecorder(uptime_writer.submit)))
     auth = Authenticator(db_engine, config.master_key)
@@ -162,7 +166,7 @@ async def _start(config: GatewayConfig) -> Gateway:
                               limiter=limiter, budgets=budgets, pool=pool, breakers=breakers, ledger=writer,
                               shadow=shadow, max_body_bytes=config.max_body_bytes)
     gw = Gateway(config=config, db_engine=db_engine, embedded=embedded, routing=routing, services=services,
-                 uptime_writer=uptime_writer)
+                 uptime_writer=uptime_writer, policy_versions=policy_versions)
     await _apply_policy(gw, policy_store.current)
 
     async def on_change(policy: Policy) -> None:
@@ -191,7 +195,7 @@ async def _stop(gw: Gateway) -> None:
     await gw.routing.aclose()  # queues each engine's open uptime interval
     await services.auth.aclose()
     writers_s = max(1.0, deadline - loop.time() - _AFTER_WRITERS_S)
-    writers = [services.ledger, gw.uptime_writer]
+    writers = [services.ledger, gw.uptime_writer, *([gw.policy_versions] if gw.policy_versions else [])]
     closing = [services.pool.aclose(), *(writer.close(timeout_s=writers_s) for writer in writers),
                *([shadow_closed] if shadow_closed is not None else [])]
     for result in await asyncio.gather(*closing, return_exceptions=True):
@@ -207,6 +211,8 @@ _AFTER_WRITERS_S = 2.5  # what a writer's close takes past its timeout (spooling
 
 
 async def _apply_policy(gw: Gateway, policy: Policy) -> None:
+    if gw.policy_versions is not None:  # its text, so reports price its rows by it (spooled if the DB is down)
+        await gw.policy_versions.record(policy)
     await gw.services.pool.sync(policy)
     await gw.routing.apply(policy, gw.services.pool)  # loads (or trains) difficulty models in a thread, off requests
     metrics.POLICY_INFO.clear()

@@ -502,7 +502,8 @@ def _charge(services: Services, call: Call, spec: BackendSpec, completion: Compl
     if completion.body.get("model"):
         record.served_model = errors.clip(completion.body["model"], _STORED_CHARS)
     pricing.charge(record, spec, usage, completion.device_seconds, completion.utilisation, call.policy, call.route,
-                   estimated=device_seconds_estimated)
+                   estimated=device_seconds_estimated,
+                   reported_kind=services.load.device_kind(spec.name) if spec.kind == "engine" else None)
     if spec.kind == "engine" and completion.device_seconds is not None and status == "ok":
         services.pool.observe_device_seconds(spec.name, usage, completion.device_seconds)
     services.limiter.record_tokens(call.key, usage.prompt_tokens + usage.completion_tokens)
