@@ -9,7 +9,9 @@ What it writes (the same `seed` value always writes the same rows):
 - two engine backends, `local-gpu` (2 GPUs at $2.50 each: $5.00/h, device_kind gpu) and `local-cpu` (a
   $0.40/h CPU host, device_kind cpu): cost_basis gpu_amortized, gpu_seconds, device_hour_usd, device_kind,
   utilisation (the minute's measured busy fraction), cost_usd = gpu_seconds × $/h / 3600 / max(u, 0.05),
-  and the route's API counterfactual.
+  busy_cost_usd = gpu_seconds × $/h / 3600 (the list rate), and the route's API counterfactual.
+- `policy_versions`: the texts of the two policy versions the rows record (POLICY_TEXTS), so the reports
+  price the seeded rows by the policy that "served" them.
 - two priced API backends, `openai-mini` and `claude-sonnet` (prices in POLICY_YAML): cost_basis api_price,
   cached prompt tokens at the cached rate with cache_savings_usd, price_table_version; and an unpriced
   one, `experimental`, whose rows cost $0 with cost_note 'unpriced_model'.
@@ -23,6 +25,7 @@ Fast: numpy draws, chunked executemany (SQLite, one transaction per chunk) or CO
 """
 from __future__ import annotations
 
+import hashlib
 import sys
 import time
 from dataclasses import dataclass, field
@@ -31,7 +34,7 @@ from datetime import UTC, datetime, timedelta
 import numpy as np
 import sqlalchemy as sa
 
-from gateway.ledger.models import EngineUptimeRow, RequestRow
+from gateway.ledger.models import EngineUptimeRow, PolicyVersionRow, RequestRow
 
 DEFAULT_START = datetime(2025, 3, 1, tzinfo=UTC)
 TEAMS = ("labs", "search", "support", "growth", "finance", "ops")
@@ -48,7 +51,6 @@ ENGINE_SECONDS_PER_TOKEN = {"local-gpu": (1 / 4000, 1 / 120), "local-cpu": (1 / 
 UTILISATION_FLOOR = 0.05  # gateway/pricing.py's floor
 THRESHOLD = 0.6
 PRICE_TABLE_VERSIONS = ("litellm-1.74.0+3fa9c2d1", "litellm-1.75.2+8b1e44a0")  # the map changed mid-span
-POLICY_VERSIONS = ("p-0a1b2c3d4e5f6071", "p-8192a3b4c5d6e7f8")
 
 # The policy the seeded ledger was "served" under (prices for decision.py; never served for real).
 POLICY_YAML = """\
@@ -107,6 +109,11 @@ routes:
     backend: experimental
 """
 
+# The ledger spans two policy versions (the first with a comment line more, the same prices), stored in
+# `policy_versions` as the gateway stores each version it loads: the reports price each row by its own.
+POLICY_TEXTS = ("# the seeded ledger's first policy version\n" + POLICY_YAML, POLICY_YAML)
+POLICY_VERSIONS = tuple(hashlib.sha256(t.encode("utf-8")).hexdigest()[:16] for t in POLICY_TEXTS)
+
 # Routes: name, share of traffic, requested model, counterfactual API backend (or None).
 ROUTES = (("auto", 0.34, "auto", "claude-sonnet"), ("local", 0.20, "local", "openai-mini"),
           ("cpu-small", 0.08, "small", "openai-mini"), ("gpt-4o-mini", 0.24, "gpt-4o-mini", None),
@@ -121,7 +128,7 @@ _REQUEST_COLUMNS = (
     "output_cost_usd", "cost_usd", "cost_basis", "gpu_seconds", "counterfactual_cost_usd", "ttft_ms",
     "latency_ms", "status", "error_type", "http_status", "attempts", "policy_version", "price_table_version",
     "difficulty", "threshold", "route_reason", "device_hour_usd", "device_kind", "utilisation", "cost_note",
-    "cache_savings_usd",
+    "cache_savings_usd", "busy_cost_usd",
 )
 _UPTIME_COLUMNS = ("interval_id", "created_at", "backend", "seconds", "busy_seconds", "device_hour_usd", "devices",
                    "device_kind")
@@ -373,6 +380,7 @@ def generate(rows: int, days: int, seed: int = 0, start: datetime | None = None)
         "utilisation": N(np.round(utilisation, 6), engine_rows),
         "cost_note": _pick(notes, np.maximum(note, 0), note >= 0),
         "cache_savings_usd": N(cache_savings, has_savings),
+        "busy_cost_usd": N(gpu_seconds * hour_usd / 3600.0, engine_rows),
     }
     up_backend = np.repeat(np.arange(2), minutes)
     up_minute = np.tile(minute_start_us, 2)
@@ -439,6 +447,17 @@ def _load_postgresql(engine: sa.Engine, table: sa.Table, cols: dict, names: tupl
         progress(table.name, hi, total)
 
 
+def _store_policies(engine: sa.Engine, at: datetime) -> None:
+    """The seeded policy versions' texts, insert-if-absent (a second seed into the same database shares them)."""
+    table = PolicyVersionRow.__table__
+    with engine.begin() as conn:
+        have = set(conn.execute(sa.select(table.c.version)).scalars())
+        rows = [{"version": v, "loaded_at": at, "source": "gateway/testing/ledger_seed.py", "text": t}
+                for v, t in zip(POLICY_VERSIONS, POLICY_TEXTS, strict=True) if v not in have]
+        if rows:
+            conn.execute(table.insert(), rows)
+
+
 def seed(url: str, *, rows: int, days: int, seed: int = 0, progress: bool = False,
          start: datetime | None = None, chunk: int = 50_000) -> SeedStats:
     """Migrate `url` to head and append a synthetic ledger of `rows` requests over `days` days (see the
@@ -479,6 +498,7 @@ def seed(url: str, *, rows: int, days: int, seed: int = 0, progress: bool = Fals
             raise ValueError(f"the seeder writes SQLite or PostgreSQL, not {dialect}")
         load(engine, requests_t, req, req_names, chunk, report)
         load(engine, uptime_t, up, up_names, chunk, report)
+        _store_policies(engine, start or DEFAULT_START)
         if dialect == "postgresql":
             with engine.begin() as conn:
                 conn.exec_driver_sql("ANALYZE requests")
