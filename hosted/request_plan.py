@@ -13,6 +13,7 @@ from hosted import tool_calls
 from hosted.async_llm_engine import AsyncLLMEngine
 from hosted.openai_protocol import ChatCompletionRequest, CompletionRequest
 from hosted.sampling_params import SamplingParams
+from hosted.schema_support import StrictSchemaError, check_strict, grammar_schema
 from hosted.structured import GrammarCompiler, SchemaError, check_schema
 from hosted.tokenizer import ChatTemplateError, Tokenizer
 from openai_wire import APIError
@@ -181,13 +182,20 @@ def _response_schema(req: ChatCompletionRequest) -> Any:
     if schema is False:
         raise APIError(400, "response_format.json_schema.schema is false: no output can match it",
                        param="response_format.json_schema.schema", code="invalid_value")
-    _check(schema, "response_format.json_schema.schema")
+    _check(schema, "response_format.json_schema.schema", strict=rf.json_schema.strict is True)
     return schema
 
 
-def _check(schema: Any, param: str) -> None:
+def _check(schema: Any, param: str, strict: bool) -> None:
+    """A 400 for an invalid schema (naming `param`); under strict, also for any keyword the grammar would not
+    enforce (hosted/schema_support.py's allow-list), naming the keyword's own path. Non-strict schemas are
+    best effort: what the grammar cannot enforce is not refused there unless check_schema knows it."""
     try:
+        if strict:  # first: the allow-list names the keyword's own path
+            check_strict(schema, param)
         check_schema(schema, param)
+    except StrictSchemaError as exc:
+        raise APIError(400, f"strict schema: {exc}", param=exc.path, code="invalid_value") from None
     except SchemaError as exc:
         raise APIError(400, f"invalid schema: {exc}", param=param, code="invalid_value") from None
 
@@ -214,7 +222,7 @@ def _tools(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]] | None, str
             if params.get("type", "object") != "object":
                 raise APIError(400, "a function's parameters must be a JSON schema of type 'object'", param=param,
                                code="invalid_value")
-            _check(params, param)
+            _check(params, param, strict=tool["function"].get("strict") is True)
     return tools, choice
 
 
@@ -224,9 +232,11 @@ def _chat_grammar(req: ChatCompletionRequest, tools: list[dict[str, Any]] | None
     if tools is None and schema is None:
         return None
     compiler = grammar_compiler(tokenizer, engine)
+    schema = None if schema is None else grammar_schema(schema)
     try:
         if tools is None:
             return compiler.json_schema(schema)
+        tools = [_grammar_tool(t) for t in tools]
         text = None
         if schema is not None:
             text = {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}
@@ -235,6 +245,15 @@ def _chat_grammar(req: ChatCompletionRequest, tools: list[dict[str, Any]] | None
     except SchemaError as exc:
         param = "tools" if tools is not None and schema is None else "response_format.json_schema.schema"
         raise APIError(400, f"invalid schema: {exc}", param=param, code="invalid_value") from None
+
+
+def _grammar_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    """The tool as the grammar sees it: its parameters' loosely enforced formats made exact (the prompt keeps
+    the client's schema)."""
+    params = tool["function"].get("parameters")
+    if params is None:
+        return tool
+    return {**tool, "function": {**tool["function"], "parameters": grammar_schema(params)}}
 
 
 # ---------------------------------------------------------------------------------------------- chat

@@ -51,8 +51,10 @@ class SchemaError(ValueError):
 
 
 # ---------------------------------------------------------------------------------------------- schema checks
-def check_schema(schema: Any, where: str = "schema") -> None:
-    """Raise SchemaError naming the first problem (`where` is the path shown in the message)."""
+def check_schema(schema: Any, where: str = "schema", root: Any = None) -> None:
+    """Raise SchemaError naming the first problem (`where` is the path shown in the message; `root` the whole
+    schema, against which local $refs resolve)."""
+    root = schema if root is None else root
     if isinstance(schema, bool):
         return
     if not isinstance(schema, Mapping):
@@ -94,7 +96,7 @@ def check_schema(schema: Any, where: str = "schema") -> None:
         raise SchemaError(f"{where} uses 'allOf' with {len(all_of)} schemas, which constrained decoding does not "
                           f"support (merge them into one schema)")
     one_of = schema.get("oneOf")
-    if isinstance(one_of, list) and len(one_of) > 1 and not _disjoint(one_of):
+    if isinstance(one_of, list) and len(one_of) > 1 and not _disjoint(one_of, root):
         raise SchemaError(f"{where} uses 'oneOf' with branches that may overlap, which constrained decoding "
                           f"cannot enforce; use 'anyOf', or give each branch a different 'type' or a "
                           f"discriminating 'const' property")
@@ -106,21 +108,39 @@ def check_schema(schema: Any, where: str = "schema") -> None:
             for name, value in sub.items():
                 if key == "dependentSchemas":
                     continue
-                check_schema(value, f"{where}.{key}.{name}")
+                check_schema(value, f"{where}.{key}.{name}", root)
     for key in _SUBSCHEMA_ONE:
         if key in schema:
-            check_schema(schema[key], f"{where}.{key}")
+            check_schema(schema[key], f"{where}.{key}", root)
     for key in _SUBSCHEMA_LISTS:
         if key in schema:
             if not isinstance(schema[key], list) or not schema[key]:
                 raise SchemaError(f"{where}.{key} must be a non-empty array of schemas")
             for i, value in enumerate(schema[key]):
-                check_schema(value, f"{where}.{key}.{i}")
+                check_schema(value, f"{where}.{key}.{i}", root)
 
 
-def _disjoint(branches: list[Any]) -> bool:
+def resolve_ref(schema: Any, root: Any, depth: int = 16) -> Any:
+    """`schema` itself, or what its local `$ref` ('#' or '#/a/b') points at (followed up to `depth` times);
+    None when a reference does not resolve."""
+    while isinstance(schema, Mapping) and isinstance(schema.get("$ref"), str) and depth > 0:
+        ref, node = schema["$ref"], root
+        if ref != "#" and not ref.startswith("#/"):
+            return None
+        for part in ref[2:].split("/") if ref != "#" else []:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if not isinstance(node, Mapping) or part not in node:
+                return None
+            node = node[part]
+        schema, depth = node, depth - 1
+    return schema
+
+
+def _disjoint(branches: list[Any], root: Any = None) -> bool:
     """Whether oneOf branches provably exclude each other: pairwise different single types, or objects that
-    each fix the same property to a different constant (a discriminated union, as pydantic writes them)."""
+    each fix the same property to a different constant (a discriminated union, as pydantic writes them, whose
+    branches may be local $refs)."""
+    branches = [resolve_ref(b, root) for b in branches] if root is not None else branches
     if not all(isinstance(b, Mapping) for b in branches):
         return False
     types = [b.get("type") for b in branches]
