@@ -20,7 +20,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway import admin_keys, dashboard, db, errors, metrics, openapi, pricing, proxy, settings
+from gateway import admin_keys, dashboard, db, errors, metrics, model_cards, openapi, pricing, proxy, settings
 from gateway import health as backend_health
 from gateway.auth import Authenticator
 from gateway.backend_pool import BackendPool
@@ -91,12 +91,15 @@ async def _lifespan(app: Starlette):
     app.state.services = gw.services
     migrator = asyncio.create_task(migrate_when_reachable(config.database_url), name="migrate-later") \
         if config.migrate_when_reachable else None
-    if await _wait_for_engines(app, gw) and config.banner:
-        print(config.banner, flush=True)
+    # Serve at once: API routes answer while embedded engines start (their routes fall back, or answer 503 with
+    # Retry-After, until each is healthy); the banner waits for them, so its snippet works when pasted.
+    announcer = asyncio.create_task(_announce_when_ready(app, gw), name="engines-ready")
+    app.state.startup_wait = announcer
     lag_watcher = asyncio.create_task(metrics.watch_loop_lag())
     try:
         yield
     finally:
+        await cancel_and_wait(announcer)
         await cancel_and_wait(lag_watcher)
         await cancel_and_wait(migrator)
         # uvicorn has stopped accepting and drained in-flight requests: flush everything they logged.
@@ -105,40 +108,31 @@ async def _lifespan(app: Starlette):
 
 
 def interrupt_startup(app: Starlette) -> None:
-    """A shutdown signal arrived (serve's signal handler calls this): stop waiting for embedded engines, so a
-    SIGTERM during start-up ends the process in seconds rather than after the wait."""
+    """A shutdown signal arrived (serve's signal handler calls this): stop waiting for embedded engines, so the
+    banner is not printed by a gateway that is stopping (uvicorn itself already serves, and stops as usual)."""
     app.state.startup_interrupted = True
     waiting: asyncio.Task | None = getattr(app.state, "startup_wait", None)
     if waiting is not None and not waiting.done():
         waiting.get_loop().call_soon_threadsafe(waiting.cancel)  # safe from a signal handler
 
 
-async def _wait_for_engines(app: Starlette, gw: Gateway) -> bool:
-    """Wait (bounded) for embedded engines to be healthy; False when a shutdown signal cut the wait short."""
-    embedded = gw.embedded
-    if not embedded.processes():
-        return not getattr(app.state, "startup_interrupted", False)
-    waiting = asyncio.ensure_future(embedded.wait_ready(gw.config.wait_for_engines_s))
-    app.state.startup_wait = waiting
-    if getattr(app.state, "startup_interrupted", False):
-        waiting.cancel()
-    try:
-        ready = await waiting
-    except asyncio.CancelledError:
-        if not waiting.cancelled():
-            raise  # the lifespan itself is being cancelled
-        log.warning("shutdown requested while waiting for embedded engines; stopping")
-        return False
-    finally:
-        app.state.startup_wait = None
-    for name, ok in ready.items():
-        if not ok:
-            log.error("embedded engine %s is not healthy yet; its routes use fallbacks until it is", name)
-    return True
+async def _announce_when_ready(app: Starlette, gw: Gateway) -> None:
+    """Wait (bounded) for embedded engines to be healthy, then print the banner; the gateway serves meanwhile."""
+    embedded, banner = gw.embedded, gw.config.banner
+    if embedded.processes():
+        log.info("serving; embedded engines starting: %s (their routes fall back, or answer 503 with Retry-After, "
+                 "until each is healthy)", ", ".join(embedded.processes()))
+        ready = await embedded.wait_ready(gw.config.wait_for_engines_s)
+        for name, ok in ready.items():
+            if not ok:
+                log.error("embedded engine %s is not healthy after %.0f s; its routes use fallbacks (or answer 503) "
+                          "until it is: see its last exit in /health and the log", name, gw.config.wait_for_engines_s)
+    if banner and not getattr(app.state, "startup_interrupted", False):
+        print(banner, flush=True)
 
 
 async def _start(config: GatewayConfig) -> Gateway:
-    """Build every part and apply the live policy (embedded engines start; the lifespan waits for them). Nothing
+    """Build every part and apply the live policy (embedded engines start; the gateway serves meanwhile). Nothing
     here needs the database: writers connect lazily and spool, the key cache answers 503 for keys it cannot
     check."""
     config.data_dir.mkdir(parents=True, exist_ok=True)
@@ -242,9 +236,9 @@ async def list_models(request: Request) -> Response:
         key = await gw.services.auth.authenticate(request.headers.get("authorization"))
     except APIError as exc:
         return error_response(exc)
-    created = int(gw.started_at)
-    data = [{"id": name, "object": "model", "created": created, "owned_by": "switchyard"}
-            for name in gw.services.policy_store.current.routes if key.allows(name)]  # a key lists what it may use
+    created, policy = int(gw.started_at), gw.services.policy_store.current
+    data = [model_cards.entry(name, route, policy, created)
+            for name, route in policy.routes.items() if key.allows(name)]  # a key lists what it may use
     return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
 
 
@@ -259,7 +253,8 @@ async def retrieve_model(request: Request) -> Response:
             raise errors.model_not_found(name, routes)
     except APIError as exc:
         return error_response(exc)
-    body = {"id": name, "object": "model", "created": int(gw.started_at), "owned_by": "switchyard"}
+    policy = gw.services.policy_store.current
+    body = model_cards.entry(name, policy.routes[name], policy, int(gw.started_at))
     return Response(orjson.dumps(body), media_type="application/json")
 
 
@@ -283,6 +278,7 @@ async def health(request: Request) -> Response:
     return JSONResponse({"status": "degraded" if degraded else "ok", "policy_version": policy.version,
                          "policy": services.policy_store.status(),  # the file's state, last reload error
                          "backends": states, "unserved_routes": unserved,
+                         "engines": backend_health.engine_details(gw.embedded, policy),  # state, last exit
                          "ledger_queue": ledger.queue_depth, "database": ledger.db_available,
                          "ledger": ledger_health})
 

@@ -65,6 +65,10 @@ class BackendPool:
     def get(self, name: str) -> Backend | None:
         return self._backends.get(name)
 
+    def retry_after_s(self, name: str) -> float | None:
+        """Seconds until `name` may serve, for an embedded engine not serving yet; None for any other backend."""
+        return self._embedded.retry_after_s(name)
+
     def observe_device_seconds(self, name: str, usage: Usage, seconds: float) -> None:
         self._rates.setdefault(name, _DeviceRate()).observe(usage.prompt_tokens + usage.completion_tokens, seconds)
 

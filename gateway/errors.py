@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from openai_wire import APIError
 
-__all__ = ["APIError", "authentication", "backend_misconfigured", "circuit_open", "clip", "invalid_request", "model_not_found",
+__all__ = ["APIError", "authentication", "backend_misconfigured", "circuit_open", "clip", "engine_starting", "invalid_request", "model_not_found",
            "quota_exceeded", "rate_limited", "request_too_large", "upstream_failed", "upstream_rejected"]
 
 ECHO_CHARS = 64  # a client's string echoed in an error message is cut to this many characters
@@ -70,6 +70,15 @@ def upstream_failed(message: str, *, timeout: bool = False, code: str = "upstrea
     if timeout:
         return APIError(504, message, type="api_error", code="upstream_timeout")
     return APIError(502, message, type="api_error", code=code)
+
+
+def engine_starting(backends: list[str], retry_after_s: float) -> APIError:
+    """Every backend for the model is an embedded engine that is not serving yet (starting, or restarting after
+    a crash): nothing was sent; retry after Retry-After."""
+    seconds = max(1, int(retry_after_s + 0.999))
+    return APIError(503, f"The engine serving this model ({', '.join(backends)}) is starting; try again in "
+                         f"{seconds} s.", type="api_error", code="engine_starting",
+                    headers={"Retry-After": str(seconds)})
 
 
 def circuit_open(retry_after_s: float) -> APIError:

@@ -16,7 +16,17 @@ import orjson
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from gateway import admission, budgets, errors, http_edge, metrics, pricing, responses_api, settings
+from gateway import (
+    admission,
+    budgets,
+    errors,
+    http_edge,
+    metrics,
+    pricing,
+    responses_api,
+    settings,
+    unknown_fields,
+)
 from gateway.backends.base import (
     BACKEND_FAULT_STATUSES,
     Backend,
@@ -114,7 +124,7 @@ async def _serve(services: Services, request: Request, endpoint: Endpoint, recor
         call = await _admit(services, request, endpoint, record, key, started, in_flight)
     except APIError as exc:
         _log_rejection(services, record, exc, started)
-        return _with_id(error_response(exc), record.request_id)
+        return _answer_headers(error_response(exc), record)
     try:
         if call.body.get("stream"):
             return await _stream(services, request, call)
@@ -122,8 +132,8 @@ async def _serve(services: Services, request: Request, endpoint: Endpoint, recor
     except Exception:  # a bug must not leak the budget reservation or lose the ledger row
         log.exception("internal error serving %s", record.request_id)
         _finish(services, call, None, None, status="error", error_type="internal", http_status=500)
-        return _with_id(error_response(APIError(500, "Internal gateway error; see the gateway log.",
-                                                type="api_error", code="internal_error")), record.request_id)
+        return _answer_headers(error_response(APIError(500, "Internal gateway error; see the gateway log.",
+                                                       type="api_error", code="internal_error")), record)
     except asyncio.CancelledError:  # cancelled mid-call (shutdown, a client gone): the row, the reservation back
         _finish(services, call, None, None, status="client_closed", error_type="cancelled")
         raise
@@ -135,7 +145,7 @@ async def _serve(services: Services, request: Request, endpoint: Endpoint, recor
 async def _admit(services: Services, request: Request, endpoint: Endpoint, record: LedgerRecord, key: KeyInfo,
                  started: float, in_flight: metrics.InFlight) -> Call:
     """Read and route the request, check its key's limits and reserve its worst-case cost (APIError if not)."""
-    body = await _read_body(request, endpoint, services.max_body_bytes)
+    body = await _read_body(request, endpoint, services.max_body_bytes, record)
     policy = services.policy_store.current
     route, decision, view = _route(services, policy, body, endpoint, record, key)
     prompt_tokens = view.estimated_tokens
@@ -156,13 +166,17 @@ async def _admit(services: Services, request: Request, endpoint: Endpoint, recor
                 prompt_tokens=prompt_tokens, shadow=shadow)
 
 
-async def _read_body(request: Request, endpoint: Endpoint, limit: int) -> dict:
+async def _read_body(request: Request, endpoint: Endpoint, limit: int, record: LedgerRecord) -> dict:
     try:
         body = orjson.loads(await _body_within(request, limit))
     except orjson.JSONDecodeError as exc:
         raise errors.invalid_request(f"The request body is not valid JSON: {exc}.") from None
+    if isinstance(body, dict) and isinstance(body.get("model"), str):  # a refused body's row still names it
+        record.requested_model = errors.clip(body["model"], _STORED_CHARS)
     _check_forwardable(body)
-    return admission.validate(body, endpoint)
+    body = admission.validate(body, endpoint)
+    unknown_fields.check(body, endpoint)
+    return body
 
 
 _MAX_DEPTH = 250  # orjson writes 254 levels (and reads 1,024): what backends may add when reshaping a body fits
@@ -277,6 +291,12 @@ async def _dispatch(services: Services, request: Request, call: Call, with_fallb
     """Try the call's chain with `with_fallbacks` (plain or stream opener) until the client leaves: its
     result, or the Response that ends the request (499 for a closed client, the upstream's error)."""
     chain = services.pool.chain(call.chain)
+    # Embedded engines not serving yet (starting, or restarting after a crash) are skipped: the fallbacks answer,
+    # or, with none left, a 503 with Retry-After (nothing was sent).
+    starting = [b for b in chain if services.pool.retry_after_s(b.name) is not None]
+    if starting and len(starting) == len(chain):
+        return _engines_starting(services, call, starting)
+    chain = [b for b in chain if b not in starting]
     attempted: list[Backend] = []
     try:
         result = await until_disconnect(
@@ -302,10 +322,10 @@ async def _complete(services: Services, request: Request, call: Call) -> Respons
     if call.endpoint == "embeddings":
         _encode_embeddings(body, call.body.get("encoding_format"))
     answer = _answer(body, call.endpoint) if call.route.log_prompts or call.shadow is not None else None
-    _finish(services, call, backend.spec, completion, answer=answer)
-    response = Response(orjson.dumps(body), media_type="application/json")
-    response.headers["x-switchyard-backend"] = backend.name
-    return _with_id(response, call.record.request_id)
+    _finish(services, call, backend.spec, completion, answer=answer)  # the served model is in the row
+    if "model" in body:
+        body["model"] = call.body["model"]  # the model the client asked for (the route), on every route kind
+    return _answer_headers(Response(orjson.dumps(body), media_type="application/json"), call.record)
 
 
 def _answer(body: dict, endpoint: Endpoint) -> str | None:
@@ -331,9 +351,14 @@ async def _stream(services: Services, request: Request, call: Call) -> Response:
         return outcome
     backend, chunks, _ = outcome
     call.record.endpoint = ledger_endpoint(call.record.endpoint, chunks.served_as)  # sent as chat: the row says so
+    if call.chain and backend.name != call.chain[0]:
+        call.record.route_reason = "fallback"  # as _outcome will write it: the header says it up front
     relay = _Relay(services, call, backend, chunks)
-    return EventStreamResponse(relay.body(), on_end=relay.finish,
-                               headers={"x-switchyard-backend": backend.name, "x-request-id": call.record.request_id})
+    # The cost is not known up front: it comes in the final usage chunk (usage.cost_usd), when one is sent.
+    headers = {"x-switchyard-backend": backend.name, "x-request-id": call.record.request_id}
+    if call.record.route_reason:
+        headers["x-switchyard-route-reason"] = call.record.route_reason
+    return EventStreamResponse(relay.body(), on_end=relay.finish, headers=headers)
 
 
 def _client_closed(services: Services, call: Call, backend: Backend | None) -> Response:
@@ -352,17 +377,38 @@ def _client_closed(services: Services, call: Call, backend: Backend | None) -> R
     return Response(status_code=499)
 
 
-def _upstream_failure(services: Services, call: Call, exc: UpstreamError) -> Response:
-    api_error = _upstream_to_api_error(exc, _upstream_secrets(call.policy))
-    _finish(services, call, None, None, status="error", error_type=_upstream_error_type(exc),
-            http_status=api_error.status)
+def _engines_starting(services: Services, call: Call, backends: list[Backend]) -> Response:
+    wait = min(services.pool.retry_after_s(b.name) or 1.0 for b in backends)
+    api_error = errors.engine_starting([b.name for b in backends], wait)
+    _finish(services, call, None, None, status="error", error_type="engine_starting", http_status=api_error.status)
     return _with_id(error_response(api_error), call.record.request_id)
 
 
-def _upstream_error_type(exc: UpstreamError) -> str:
-    """The ledger's error_type: upstream_<kind> (timeout, connect, http, protocol, malformed, too_large…), or
-    circuit_open when no backend was tried at all."""
-    return "circuit_open" if exc.kind == "circuit_open" else f"upstream_{exc.kind}"
+def _upstream_failure(services: Services, call: Call, exc: UpstreamError) -> Response:
+    """The row names the backend that answered last (none when every circuit was open); the client's own fault,
+    as a backend judged it, is a `client_error` row with the backend's error code."""
+    api_error = _upstream_to_api_error(exc, _upstream_secrets(call.policy))
+    spec = call.policy.backends.get(exc.backend) if exc.backend else None
+    status, error_type = _failure_status(exc)
+    _finish(services, call, spec, None, status=status, error_type=error_type, http_status=api_error.status)
+    return _answer_headers(error_response(api_error), call.record)
+
+
+def _failure_status(exc: UpstreamError) -> tuple[str, str]:
+    """The ledger's (status, error_type) for a failed call. `client_error`: the backend refused the client's
+    request (a 4xx about it, e.g. context_length_exceeded, or litellm refused to send it): its error code, else
+    upstream_rejected_<status> (invalid_request when never sent). `error`: upstream_<kind> (timeout, connect,
+    http, protocol, malformed, too_large…), or circuit_open when no backend was tried at all."""
+    if exc.kind == "request":
+        return "client_error", "invalid_request"
+    if exc.kind == "http" and exc.status is not None and 400 <= exc.status < 500 \
+            and exc.status not in BACKEND_FAULT_STATUSES and exc.status not in (408, 409, 429):
+        upstream = exc.body["error"] if exc.body and isinstance(exc.body.get("error"), dict) else {}
+        code = upstream.get("code")
+        if isinstance(code, str) and code.strip():
+            return "client_error", errors.clip(redact(code), _CODE_CHARS)
+        return "client_error", f"upstream_rejected_{exc.status}"
+    return "error", ("circuit_open" if exc.kind == "circuit_open" else f"upstream_{exc.kind}")
 
 
 def _upstream_secrets(policy: Policy) -> list[str]:
@@ -396,13 +442,15 @@ class _Relay:
                 model = chunk.get("model") or (events and (chunk.get("response") or {}).get("model"))
                 if model and not record.served_model:
                     record.served_model = errors.clip(model, _STORED_CHARS)
+                if model:
+                    _as_asked(chunk, call.body["model"], self._cost_usd())
                 data = sse_event(orjson.dumps(chunk))
                 yield b"event: " + chunk["type"].encode() + b"\n" + data if events and "type" in chunk else data
             if not events:
                 yield SSE_DONE
             self.status, self.error_type = "ok", None
         except UpstreamError as exc:
-            self.status, self.error_type = "error", _upstream_error_type(exc)
+            self.status, self.error_type = _failure_status(exc)
             # Headers are gone; tell the client in-band, the way OpenAI's streams do.
             error = _upstream_to_api_error(exc, _upstream_secrets(call.policy))
             if events:
@@ -414,6 +462,13 @@ class _Relay:
                 yield sse_event(orjson.dumps(error.body()))
         finally:
             await self.finish()  # before the response's last message: the row is queued when the client sees the end
+
+    def _cost_usd(self) -> float | None:
+        """The request's cost once its usage has arrived (what _finish will price the row at), else None."""
+        if not self.tally.complete_usage:
+            return None
+        return pricing.request_cost(self.backend.spec, self.tally.usage(), self.tally.device_seconds,
+                                    self.tally.utilisation).total_usd
 
     async def finish(self) -> None:
         """Close the upstream, write the ledger row and end the request's time in flight, once."""
@@ -439,6 +494,17 @@ class _Relay:
         finally:  # whatever failed above, the reservation goes back (a no-op once _finish settled it)
             self.services.budgets.settle(call.reservation, call.record.cost_usd)
             call.in_flight.end()
+
+
+def _as_asked(chunk: dict, model: str, cost_usd: float | None) -> None:
+    """A streamed chunk (or Responses event) as the client sees it: the model it asked for (the route), and the
+    request's cost in the usage it carries (`usage.cost_usd`: extra fields the openai SDK keeps)."""
+    target = chunk["response"] if isinstance(chunk.get("response"), dict) else chunk
+    if "model" in target:
+        target["model"] = model
+    usage = target.get("usage")
+    if isinstance(usage, dict) and cost_usd is not None:
+        usage["cost_usd"] = cost_usd
 
 
 async def _close(chunks: AsyncIterator[dict]) -> None:
@@ -572,3 +638,19 @@ def _upstream_to_api_error(exc: UpstreamError, secrets: list[str] | None = None)
 def _with_id(response: Response, request_id: str) -> Response:
     response.headers["x-request-id"] = request_id
     return response
+
+
+def _answer_headers(response: Response, record: LedgerRecord) -> Response:
+    """What a /v1 answer says about itself, as far as it is known: the backend, the route reason and the cost
+    its ledger row records (0 for a failure). The request id: http_edge (the client's own when it sent a sane one)."""
+    if record.backend:
+        response.headers["x-switchyard-backend"] = record.backend
+    if record.route_reason:
+        response.headers["x-switchyard-route-reason"] = record.route_reason
+    response.headers["x-switchyard-cost-usd"] = usd_header(record.cost_usd)
+    return _with_id(response, record.request_id)
+
+
+def usd_header(value: float | None) -> str:
+    """Dollars as plain decimal text (no exponent), to 1e-10: `0.000123`, `0`."""
+    return format(value or 0.0, ".10f").rstrip("0").rstrip(".") or "0"

@@ -93,6 +93,9 @@ def run_gateway(policy_text: str, tmp_path: Path, database_url: str | None = Non
         if not thread.is_alive() or time.time() > deadline:
             raise RuntimeError("gateway did not start")
         time.sleep(0.02)
+    if running.gw.embedded.processes():  # the gateway serves while its engines start; these tests want them up
+        asyncio.run_coroutine_threadsafe(running.gw.embedded.wait_ready(config.wait_for_engines_s),
+                                         running.loop).result(timeout=config.wait_for_engines_s + 10)
     try:
         yield running
     finally:
