@@ -67,6 +67,11 @@ litellm.telemetry = False
 litellm.success_callback = []
 litellm.failure_callback = []
 litellm.callbacks = []
+# litellm counts a stream's tokens with the model family's Hugging Face tokenizer, fetched from the Hub on first use
+# (a "llama…" model name: Xenova/llama-3-tokenizer). Nothing downloads at run time: offline, that fetch retried for
+# ~27 s and stalled the first stream of such a model. Its bundled tiktoken counts instead (usage comes from the
+# upstream anyway).
+litellm.disable_hf_tokenizer_download = True
 # Retries are ours. litellm's OpenAI embedding (and Azure) path reads `max_retries or DEFAULT_MAX_RETRIES`, so
 # our max_retries=0 became the SDK's 2 hidden retries per attempt: its default is 0 here too.
 litellm.DEFAULT_MAX_RETRIES = 0

@@ -13,16 +13,16 @@ from tests.e2e.conftest import MASTER_KEY, ledger_rows, run_gateway
 PRICES = "api_key_env: STANDIN_API_KEY, input_usd_per_mtok: 10, output_usd_per_mtok: 90"
 LEARNERS = [f"learn-{endpoint}-{mode}" for endpoint in ("completions", "responses") for mode in ("plain", "stream")]
 # A model litellm's map does not know (a self-hosted one): litellm sends its completions to /v1/completions.
-API = "{kind: litellm, model: openai/llama-3.1-8b-instruct, api_base: CHAT, %s}" % PRICES
+API = "{kind: litellm, model: openai/llama-3.1-8b-instruct, api_base: CHAT, PRICES}"
 POLICY = """
 backends:
-  declared: {kind: litellm, model: openai/llama-3.1-8b-instruct, api_base: CHAT, %(prices)s, endpoints: [chat]}
+  declared: {kind: litellm, model: openai/llama-3.1-8b-instruct, api_base: CHAT, PRICES, endpoints: [chat]}
   eng-declared: {kind: engine, model: small, api_base: CHAT, gpu_hour_usd: 3.6, endpoints: [chat]}
   eng-learns: {kind: engine, model: small, api_base: CHAT, gpu_hour_usd: 3.6}
-  learn-echo: %(api)s
-%(learner_backends)s
-  full: {kind: litellm, model: openai/gpt-3.5-turbo-instruct, api_base: FULL, %(prices)s}
-  vision: {kind: litellm, model: openai/gpt-4o-mini, api_base: FULL, %(prices)s}
+  learn-echo: API
+LEARNER_BACKENDS
+  full: {kind: litellm, model: openai/gpt-3.5-turbo-instruct, api_base: FULL, PRICES}
+  vision: {kind: litellm, model: openai/gpt-4o-mini, api_base: FULL, PRICES}
   eng-full: {kind: engine, model: small, api_base: FULL, gpu_hour_usd: 3.6}
 routes:
   declared: {backend: declared}
@@ -32,9 +32,10 @@ routes:
   chat-then-full: {backend: declared, fallbacks: [full]}
   pictures: {backend: eng-full, fallbacks: [vision]}
   full: {backend: full}
-%(learner_routes)s
-""" % {"prices": PRICES, "api": API, "learner_backends": "\n".join(f"  {n}: {API}" for n in LEARNERS),
-       "learner_routes": "\n".join(f"  {n}: {{backend: {n}}}" for n in LEARNERS)}
+LEARNER_ROUTES
+""".replace("LEARNER_BACKENDS", "\n".join(f"  {n}: API" for n in LEARNERS)).replace(
+    "LEARNER_ROUTES", "\n".join(f"  {n}: {{backend: {n}}}" for n in LEARNERS)).replace("API", API).replace(
+    "PRICES", PRICES)
 TEXT4 = "tok0 tok1 tok2 tok3"
 
 
@@ -251,3 +252,19 @@ def test_endpoints_must_name_chat() -> None:
         parse_policy(base % "[completions]", "p.yaml")
     with pytest.raises(PolicyError, match="embeddings"):
         parse_policy(base % "[chat, embeddings]", "p.yaml")
+
+
+def test_a_llama_named_model_streams_without_fetching_a_tokenizer(gateway, chat, monkeypatch) -> None:
+    """litellm counted a stream's tokens with a tokenizer fetched from the Hugging Face Hub for "llama…" names:
+    offline, the first such stream stalled ~27 s on the fetch's retries. Nothing downloads at run time."""
+    import litellm.utils
+
+    fetched: list[str] = []
+
+    def fetch(model: str, *args, **kwargs):
+        fetched.append(model)
+        raise OSError("no network in this test")
+
+    monkeypatch.setattr(litellm.utils, "_return_huggingface_tokenizer", fetch)
+    text, _ = _completion(_client(gateway), "declared", stream=True)
+    assert text == TEXT4 and fetched == []
