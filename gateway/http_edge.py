@@ -2,13 +2,20 @@
 plain-text 500.
 
 A pure ASGI middleware (no body buffering, streams pass through). It gives each request its id before anything
-else runs (`request_id_of(scope)`: the request path uses it for the ledger's `request_id`, so the header, the
-error body and the row agree). An exception that escapes any route becomes an OpenAI-shaped 500 whose message
-names the request id; `on_error` (the app's) is told first, so a /v1 request still gets its ledger row.
+else runs (`request_id_of(scope)`: the request path uses it for the ledger's `request_id`). An exception that
+escapes any route becomes an OpenAI-shaped 500 whose message names the request id; `on_error` (the app's) is
+told first, so a /v1 request still gets its ledger row.
+
+A client's own `X-Request-Id` is kept when it is a sane token (`CLIENT_ID`: 1-128 of `A-Za-z0-9._:-`): the
+response's `x-request-id` echoes it, and the ledger row's `request_id` is it (its first 47 characters) plus `~`
+and 16 random hex digits — the ledger's request_id is unique and a client may reuse an id, so no row is ever
+refused for it; `WHERE request_id LIKE 'my-id~%'` finds the rows. Any other value is replaced by the gateway's
+own `req_<32 hex>`, which is then the header and the row's id alike.
 """
 from __future__ import annotations
 
 import logging
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -22,7 +29,10 @@ from openai_wire.responses import error_response
 log = logging.getLogger("switchyard.http")
 
 _HEADER = b"x-request-id"
-REQUEST_ID_KEY = "switchyard.request_id"  # scope key: this request's id
+REQUEST_ID_KEY = "switchyard.request_id"  # scope key: this request's id (the ledger row's)
+PUBLIC_ID_KEY = "switchyard.public_request_id"  # scope key: the id the client sees (its own, when sane)
+CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+_ROW_PREFIX = 47  # + "~" + 16 hex digits: the ledger's 64-character request_id
 RECORD_KEY = "switchyard.record"  # scope key: the request path's ledger record so far (for on_error's row)
 
 # on_error(scope, request_id, exc, started): called once for an exception that escaped the app (started: the
@@ -35,11 +45,32 @@ def new_request_id() -> str:
 
 
 def request_id_of(scope: dict) -> str:
-    """This request's id: the one the middleware gave it (a fresh one outside the middleware, e.g. in a test)."""
+    """This request's id, the ledger row's: the one the middleware gave it (made here on first use)."""
     request_id = scope.get(REQUEST_ID_KEY)
     if request_id is None:
-        request_id = scope[REQUEST_ID_KEY] = new_request_id()
+        _assign(scope)
+        request_id = scope[REQUEST_ID_KEY]
     return request_id
+
+
+def public_id_of(scope: dict) -> str:
+    """The id the client sees in `x-request-id`: its own when it sent a sane one, else request_id_of."""
+    if PUBLIC_ID_KEY not in scope:
+        _assign(scope)
+    return scope[PUBLIC_ID_KEY]
+
+
+def _assign(scope: dict) -> None:
+    client = None
+    for name, value in scope.get("headers") or ():
+        if name.lower() == _HEADER:
+            client = value.decode("latin-1")
+            break
+    if client is not None and CLIENT_ID.fullmatch(client):
+        scope[PUBLIC_ID_KEY] = client
+        scope[REQUEST_ID_KEY] = f"{client[:_ROW_PREFIX]}~{uuid.uuid4().hex[:16]}"
+    else:
+        scope[PUBLIC_ID_KEY] = scope[REQUEST_ID_KEY] = new_request_id()
 
 
 def internal_error(request_id: str) -> APIError:
@@ -58,16 +89,16 @@ class RequestIdMiddleware:
             return
         started_at = time.perf_counter()
         request_id = request_id_of(scope)
-        id_header = request_id.encode()
+        public_id = public_id_of(scope)
+        id_header = public_id.encode()
         started = False
 
         async def send_with_id(message: dict) -> None:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-                headers = message.get("headers") or []
-                if not any(name.lower() == _HEADER for name, _ in headers):
-                    message["headers"] = [*headers, (_HEADER, id_header)]
+                headers = message.get("headers") or []  # the one id the client sees, whatever a route set
+                message["headers"] = [*(h for h in headers if h[0].lower() != _HEADER), (_HEADER, id_header)]
             await send(message)
 
         try:
@@ -81,8 +112,8 @@ class RequestIdMiddleware:
             log.info("client left %s %s before its request was read (%s)", scope.get("method"), scope.get("path"),
                      request_id)
         else:
-            log.error("unexpected error serving %s %s (%s)", scope.get("method"), scope.get("path"), request_id,
-                      exc_info=exc)
+            log.error("unexpected error serving %s %s (%s, client id %s)", scope.get("method"), scope.get("path"),
+                      request_id, public_id_of(scope), exc_info=exc)
         if self.on_error is not None:
             try:
                 self.on_error(scope, request_id, exc, started_at)
@@ -90,4 +121,4 @@ class RequestIdMiddleware:
                 log.exception("recording the error of %s failed", request_id)
         if started or isinstance(exc, ClientDisconnect):
             return  # headers are gone (or nobody is listening): the server ends the connection
-        await error_response(internal_error(request_id))(scope, receive, send)
+        await error_response(internal_error(public_id_of(scope)))(scope, receive, send)
