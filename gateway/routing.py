@@ -11,11 +11,13 @@ Reasons written to the ledger's `route_reason` (see docs/router.md, "Routing in 
   difficulty_hard  score ≥ threshold → hard
   idle_relaxed     easy only because the idle engine relaxed the threshold
   spillover        easy by score, but the easy engine is saturated → hard
-  no_score         no model loaded (yet) or nothing to score → the route's `backend` (default: hard)
+  no_score         no model loaded (yet) or nothing to score (completions token ids) → the route's `backend`
+                   (default: hard)
   capability       the first choice cannot serve the request (tools, structured output, images, embeddings,
                    context, a completions parameter a chat-only backend cannot carry)
                    → the first backend of the chain that can, on fixed routes (their fallbacks) and difficulty
-                   routes alike (gateway/capabilities.py)
+                   routes alike (gateway/capabilities.py); and every embeddings request on a difficulty
+                   route (never scored: the route's backends that serve embeddings, its `backend` first)
   budget           (set in proxy.py) the key cannot afford hard → easy
   fallback         (set in proxy.py) served by a backend other than the chain's first
   shadow, shadow_judge  (gateway/shadow/runner.py) mirrored and judge calls of shadow evaluation
@@ -120,6 +122,8 @@ def decide(route: RouteSpec, body: dict, models: DifficultyModels, load: EngineL
     chat or completions one (a /v1/responses body is routed in its chat form). `prompt_chars`: the length of
     the body's prompt text, when the caller has it (otherwise worked out if a context check needs it)."""
     decision = _decide(route, body, models, load)
+    if endpoint == "embeddings" and route.strategy == "difficulty":
+        decision.reason = "capability"  # never scored: the backends that serve embeddings, the route's `backend` first
     if policy is not None:
         fit_capabilities(route, decision, policy, body, endpoint, prompt_chars)
     return decision

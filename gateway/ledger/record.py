@@ -53,7 +53,7 @@ def _field_set(cls: type) -> frozenset[str]:
 class LedgerRecord(SpoolRecord):
     """Mirrors RequestRow (all columns but the autoincrement id). Naive datetimes are taken as UTC.
 
-    `status` defaults to "ok": the gateway overwrites it with error / client_closed / rejected
+    `status` defaults to "ok": the gateway overwrites it with error / client_error / client_closed / rejected
     whenever a request does not end in a normal response.
     """
 
@@ -78,7 +78,7 @@ class LedgerRecord(SpoolRecord):
     counterfactual_cost_usd: float | None = None
     ttft_ms: float | None = None
     latency_ms: float | None = None
-    status: str = "ok"  # ok | error | client_closed | rejected
+    status: str = "ok"  # ok | error | client_error | client_closed | rejected (docs/sql-cookbook.md)
     error_type: str | None = None
     http_status: int | None = None
     attempts: int = 1
