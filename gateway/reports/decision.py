@@ -10,9 +10,10 @@ window's hours, one window for both). Prices come from the policy that served ea
 `--policy` replaces them as a labelled what-if):
 - all-API: every token at the reference API's prices (uncached, cached and output per Mtok).
 - all-hosted: the device-hours that many tokens need at the measured throughput, divided by the
-  utilisation (idle hours are paid too), times the engines' hourly price.
-- current mix: API-served tokens at their own backends' prices, plus the engines' measured up-hours
-  at their hourly price.
+  utilisation (idle hours are paid too), times the hourly price of a busy engine-hour (with several
+  engines: their prices weighted by each one's busy hours).
+- current mix: API-served tokens at their own backends' prices, plus each engine's measured up-hours
+  at its own hourly price.
 - break-even utilisation: the utilisation at which all-hosted equals all-API; hosting wins above it.
 - break-even daily tokens: the tokens a day at which the API would cost what running the current
   engines around the clock costs (more traffic than that and hosting is cheaper, up to the engines'
@@ -69,6 +70,18 @@ class DecisionInputs:
     utilisation: float | None  # measured busy / up; None without uptime rows
     notes: list[str] = field(default_factory=list)
     pricing: list[str] = field(default_factory=list)  # which policy priced the rows (ServedPolicies.lines)
+    # With several engines, an up-hour or a busy-hour costs the engines' prices weighted by each one's up or
+    # busy time (not their sum: that would price every hour as if all engines ran it). None: device_hour_usd.
+    up_hour_usd: float | None = None
+    busy_hour_usd: float | None = None
+
+    @property
+    def up_price(self) -> float:
+        return self.device_hour_usd if self.up_hour_usd is None else self.up_hour_usd
+
+    @property
+    def busy_price(self) -> float:
+        return self.device_hour_usd if self.busy_hour_usd is None else self.busy_hour_usd
     window_note: str | None = None  # the short-window label, when the window is under a day
 
     @property
@@ -123,7 +136,9 @@ class DecisionInputs:
             device_hour_usd=hourly, devices=sum(e.devices for e in engines) or 1,
             tokens_per_s=tokens / seconds if seconds > 0 and tokens > 0 else None,
             up_hours=up / 3600.0, busy_hours=busy / 3600.0, utilisation=busy / up if up > 0 else None,
-            notes=notes, pricing=served.lines(), window_note=window_caveat(summary))
+            notes=notes, pricing=served.lines(), window_note=window_caveat(summary),
+            up_hour_usd=_weighted_price(engines, lambda e: e.up_seconds),
+            busy_hour_usd=_weighted_price(engines, busy_weight(engines)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +171,7 @@ def decide(x: DecisionInputs, utilisation: float | None = None) -> DecisionResul
         r = x.reference
         all_api = _per_mtok(p - c, r.input_per_mtok) + _per_mtok(c, r.cached_per_mtok) + _per_mtok(o, r.output_per_mtok)
     busy_hours_needed = tokens / (x.tokens_per_s * 3600.0) if x.tokens_per_s else None
-    all_hosted = (busy_hours_needed / u * x.device_hour_usd
+    all_hosted = (busy_hours_needed / u * x.busy_price
                   if busy_hours_needed is not None and u is not None and u > 0 else None)
     api_part = 0.0
     for a in x.api:
@@ -164,9 +179,9 @@ def decide(x: DecisionInputs, utilisation: float | None = None) -> DecisionResul
             api_part += m * (_per_mtok(a.prompt_tokens - a.cached_prompt_tokens, a.price.input_per_mtok)
                              + _per_mtok(a.cached_prompt_tokens, a.price.cached_per_mtok)
                              + _per_mtok(a.completion_tokens, a.price.output_per_mtok))
-    current = api_part + x.up_hours * m * x.device_hour_usd
-    idle = (x.up_hours - x.busy_hours) * m * x.device_hour_usd
-    be_util = (busy_hours_needed * x.device_hour_usd / all_api
+    current = api_part + x.up_hours * m * x.up_price
+    idle = (x.up_hours * x.up_price - x.busy_hours * x.busy_price) * m
+    be_util = (busy_hours_needed * x.busy_price / all_api
                if busy_hours_needed is not None and all_api else None)
     be_tokens = (x.device_hour_usd * 24.0 / (all_api / tokens)
                  if all_api and tokens > 0 and x.device_hour_usd > 0 else None)
@@ -236,6 +251,21 @@ def api_prices(policy) -> dict[str, ApiPrice]:
             out[name] = ApiPrice(name, spec.model, prices.input_per_token * 1e6, prices.cached_input_per_token * 1e6,
                                  prices.output_per_token * 1e6)
     return out
+
+
+def busy_weight(engines: list[EngineRow]):
+    """What a busy engine-hour is weighted by: measured busy seconds when any engine has uptime rows, else the
+    rows' device seconds (the same measure the throughput divides by)."""
+    if any(e.has_uptime for e in engines):
+        return lambda e: e.busy_seconds
+    return lambda e: e.throughput_seconds
+
+
+def _weighted_price(engines: list[EngineRow], weight) -> float | None:
+    total = sum(weight(e) for e in engines)
+    if len(engines) < 2 or total <= 0:
+        return None
+    return sum(weight(e) * (e.device_hour_usd or 0.0) for e in engines) / total
 
 
 def api_traffic(api_rows, served) -> list[ApiTraffic]:

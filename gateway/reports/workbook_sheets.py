@@ -228,6 +228,8 @@ class EngineCells:
     throughput_s: list[str] = field(default_factory=list)
     up_s: list[str] = field(default_factory=list)
     busy_s: list[str] = field(default_factory=list)
+    prices: list[str] = field(default_factory=list)  # each engine's $/hour cell (Prices sheet), same order
+    has_uptime: bool = False
 
 
 def _mtok_formula(price: str, tps: str, util: str) -> str:
@@ -278,6 +280,8 @@ def in_house_sheet(engines: list[EngineRow], hours: list[HourRow], prices: Price
         out.throughput_s.append(s.ref(r, 12))
         out.up_s.append(s.ref(r, 9))
         out.busy_s.append(s.ref(r, 10))
+        out.prices.append(price)
+        out.has_uptime = out.has_uptime or up
     s.table("in_house", first)
     s.add([])
     s.add([Cell("cost of idle = paid device-hours not spent on requests: (up − busy) seconds at the engine's "
@@ -353,6 +357,17 @@ def decision_sheet(x: dec.DecisionInputs, prices: PriceCells, eng: EngineCells) 
     line("H", "engines' total $/hour", x.device_hour_usd, f"={_sum(hour_refs)}", USD_HOUR,
          "the engines' device $/hour, all together (Prices sheet)")
     tok, tput = _sum(eng.tokens), _sum(eng.throughput_s)
+    def weighted(weights: list[str]) -> str | None:
+        if len(weights) < 2:
+            return f"={r_('H')}"
+        products = "+".join(f"N({w})*{p}" for w, p in zip(weights, eng.prices, strict=True))
+        return f"=IF({_sum(weights)}>0,({products})/{_sum(weights)},{r_('H')})"
+
+    line("Hup", "$/hour of an engine up-hour", x.up_price, weighted(eng.up_s), USD_HOUR,
+         "each engine's $/hour weighted by its up time (one engine: its $/hour)")
+    line("Hbusy", "$/hour of a busy engine-hour", x.busy_price,
+         weighted(eng.busy_s if eng.has_uptime else eng.throughput_s), USD_HOUR,
+         "each engine's $/hour weighted by its busy time (one engine: its $/hour)")
     line("T", "measured tokens/s", _num(x.tokens_per_s),
          f'=IF(AND({tput}>0,{tok}>0),{tok}/{tput},"{NA}")' if eng.tokens else None, DEC,
          "the engines' tokens (prompt + completion) per busy second (In-house sheet)")
@@ -380,6 +395,7 @@ def decision_sheet(x: dec.DecisionInputs, prices: PriceCells, eng: EngineCells) 
     line("tok", "monthly tokens", res.monthly_prompt_tokens + res.monthly_completion_tokens,
          f"={r_('p')}+{r_('o')}", INT, "prompt + completion")
     p, c, o, tk, H, T, U = (r_(k) for k in ("p", "c", "o", "tok", "H", "T", "U"))
+    Hup, Hbusy = r_("Hup"), r_("Hbusy")
     line("api", "all-API USD/month", _num(res.all_api_usd),
          (f"=(({p}-{c})*N({r_('ri')})+{c}*N({r_('rc')})+{o}*N({r_('ro')}))/1000000" if refp else None), USD,
          "every token at the reference API's prices: uncached prompt, cached prompt and output per Mtok", bold=True)
@@ -389,19 +405,20 @@ def decision_sheet(x: dec.DecisionInputs, prices: PriceCells, eng: EngineCells) 
          "monthly tokens / (tokens/s × 3600): engine hours of actual work")
     B = r_("bhn")
     line("hosted", "all-hosted USD/month", _num(res.all_hosted_usd),
-         f'=IF(AND(ISNUMBER({B}),N({U})>0),{B}/{U}*{H},"{NA}")', USD,
-         "busy hours needed / utilisation (idle hours are paid too) × engines' $/hour", bold=True)
+         f'=IF(AND(ISNUMBER({B}),N({U})>0),{B}/{U}*{Hbusy},"{NA}")', USD,
+         "busy hours needed / utilisation (idle hours are paid too) × $/hour of a busy engine-hour", bold=True)
     line("apipart", "current mix: API part USD/month", res.current_mix_usd - x.up_hours * x.monthly_scale
-         * x.device_hour_usd, None, USD, "API-served tokens at their own backends' prices (table below) × scale")
-    line("engpart", "current mix: engines part USD/month", x.up_hours * x.monthly_scale * x.device_hour_usd,
-         f"={r_('U_up')}*{m}*{H}", USD, "the engines' measured up hours × scale × $/hour")
+         * x.up_price, None, USD, "API-served tokens at their own backends' prices (table below) × scale")
+    line("engpart", "current mix: engines part USD/month", x.up_hours * x.monthly_scale * x.up_price,
+         f"={r_('U_up')}*{m}*{Hup}", USD, "the engines' measured up hours × scale × $/hour of an up-hour")
     line("mix", "current mix USD/month", res.current_mix_usd, f"={r_('apipart')}+{r_('engpart')}", USD,
          "what the traffic as routed costs: API part + engines part", bold=True)
-    line("idle", "cost of idle USD/month", res.idle_usd, f"=({r_('U_up')}-{r_('U_busy')})*{m}*{H}", USD,
-         "paid device-hours not spent on requests: (up − busy) hours × scale × $/hour", bold=True)
+    line("idle", "cost of idle USD/month", res.idle_usd, f"=({r_('U_up')}*{Hup}-{r_('U_busy')}*{Hbusy})*{m}", USD,
+         "paid device-hours not spent on requests: (up − busy) hours × scale, each at its engine's $/hour",
+         bold=True)
     A = r_("api")
     line("beu", "break-even utilisation", _num(res.break_even_utilisation),
-         f'=IF(AND(ISNUMBER({B}),ISNUMBER({A})),IF({A}<>0,{B}*{H}/{A},"{NA}"),"{NA}")', PCT,
+         f'=IF(AND(ISNUMBER({B}),ISNUMBER({A})),IF({A}<>0,{B}*{Hbusy}/{A},"{NA}"),"{NA}")', PCT,
          "the utilisation at which all-hosted costs what all-API costs; hosting wins above it", bold=True)
     verdict = {"hosting": "hosting is cheaper", "API": "the API is cheaper", "unknown": "unknown"}[res.cheaper]
     HO = r_("hosted")

@@ -220,3 +220,24 @@ def test_short_window_projects_engine_time_over_the_same_window(migrated_db_url,
     assert printed[1].startswith("SHORT WINDOW: the ledger covers 17 minutes, less than a day")
     notes = {r[0]: r[1] for r in _csv(tmp_path / "out" / "notes.csv")[1:] if len(r) > 1}
     assert notes["window length"].startswith("SHORT WINDOW")
+
+
+def test_two_always_on_engines_cost_their_own_prices_a_month(migrated_db_url, tmp_path):
+    """$2.50/h and $0.40/h engines up all window: $2.90 x 730 h = $2,117/month (not both hours at both prices)."""
+    p1 = _policy_file(tmp_path, "served.yaml", 8.0)
+    (v1,) = _store(migrated_db_url, tmp_path, p1)
+    uptime = [UptimeRecord(f"{b}|{k}|gw", T0 + timedelta(minutes=k), b, 60.0, busy, price, 1, kind)
+              for k in range(120) for b, busy, price, kind in (("local", 6.0, 2.50, "gpu"), ("small", 30.0, 0.40, "cpu"))]
+    _insert(migrated_db_url, uptime, EngineUptimeRow.__table__)
+    _insert(migrated_db_url, [LedgerRecord(request_id=f"e-{k}", created_at=T0 + timedelta(minutes=k, seconds=30),
+                                           requested_model="chat", route="chat", backend="local", prompt_tokens=37,
+                                           completion_tokens=8, cost_usd=0.001, cost_basis="gpu_amortized",
+                                           gpu_seconds=1.5, device_hour_usd=2.50, device_kind="gpu",
+                                           policy_version=v1) for k in range(120)])
+    rc, _printed, err = _report(migrated_db_url, tmp_path / "out")
+    assert rc == 0, err
+    d = _decision(tmp_path / "out")
+    assert d["current mix: engines part USD/month"] == pytest.approx(730 * 2.90, rel=1e-9)
+    idle_per_hour = 2.50 * 54 / 60 + 0.40 * 30 / 60  # each engine's idle share at its own price
+    assert d["cost of idle USD/month"] == pytest.approx(730 * idle_per_hour, rel=1e-9)
+    assert d["$/hour of an engine up-hour"] == pytest.approx(2.90 / 2)
