@@ -17,11 +17,26 @@ MAX_N = 64  # choices per request; each one is a sequence in the batch
 MAX_STOP_STRINGS = 16
 
 
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none", "json-or-python"})
+
+
+def param_path(loc: tuple | list) -> str | None:
+    """pydantic's loc as OpenAI writes a `param`: ('messages', 0, 'content', 'str') → messages[0].content (list
+    indexes in brackets; union-member tags — type names, model class names — left out)."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part.isdigit() or (part == part.lower() and part not in _TYPE_TAGS and "[" not in part
+                                and not part.startswith("function-")):
+            path += f".{part}" if path else part
+    return path or None
+
+
 def validation_error(exc: ValidationError) -> APIError:
     """The first pydantic error, as a 400 naming the field."""
     err = exc.errors()[0]
-    loc = [str(p) for p in err.get("loc", ()) if not (isinstance(p, str) and p.startswith(("function-", "list[")))]
-    param = ".".join(loc) or None
+    param = param_path(err.get("loc", ()))
     msg = err.get("msg", "invalid value")
     text = f"invalid value for {param!r}: {msg}" if param else msg
     code = "missing_required_parameter" if err.get("type") == "missing" else "invalid_value"

@@ -217,7 +217,7 @@ def _tools(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]] | None, str
                        param="tool_choice.function.name", code="invalid_value")
     for i, tool in enumerate(tools):
         params = tool["function"].get("parameters")
-        param = f"tools.{i}.function.parameters"
+        param = f"tools[{i}].function.parameters"
         if params is not None:
             if params.get("type", "object") != "object":
                 raise APIError(400, "a function's parameters must be a JSON schema of type 'object'", param=param,
@@ -289,7 +289,7 @@ def _chat_prompt_ids(req: ChatCompletionRequest, tokenizer: Tokenizer, tools: li
     for i, m in enumerate(messages):
         if m.get("role") == "function":
             raise APIError(400, "the legacy `function` role is not supported: send tool results as `tool` "
-                                "messages", param=f"messages.{i}.role", code="unsupported_parameter")
+                                "messages", param=f"messages[{i}].role", code="unsupported_parameter")
     try:
         source = tokenizer.chat_template_source(tools)
         if "developer" not in (source or ""):  # OpenAI's `developer` is the system prompt of newer models
@@ -319,7 +319,7 @@ def plan_completion(req: CompletionRequest, tokenizer: Tokenizer, engine: AsyncL
     params = build_sampling_params(req, max_tokens, tokenizer, engine, logprobs, top)
     jobs = []
     for i, prompt in enumerate(prompts):
-        param = "prompt" if len(prompts) == 1 else f"prompt.{i}"
+        param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
         if isinstance(prompt, str):
             check_text_size(len(prompt.encode()), tokenizer, engine, param)
         ids, echo_text = _completion_prompt(req, prompt, param, tokenizer, engine.engine.model_config.vocab_size)

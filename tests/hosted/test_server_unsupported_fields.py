@@ -58,4 +58,4 @@ def test_developer_is_the_system_prompt_and_the_legacy_function_role_is_refused(
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="tiny", max_tokens=2, messages=[
             {"role": "user", "content": "hi"}, {"role": "function", "name": "f", "content": "{}"}])
-    assert err.value.body["param"] == "messages.1.role" and "tool" in err.value.body["message"]
+    assert err.value.body["param"] == "messages[1].role" and "tool" in err.value.body["message"]

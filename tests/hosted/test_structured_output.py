@@ -229,4 +229,4 @@ def test_tools_parameters_schema_errors_name_the_tool(smollm2):
                  "x": {"type": "string", "format": "nope"}}}}}]
     with pytest.raises(APIError) as err:
         _plan(engine, tok, {"messages": [{"role": "user", "content": "x"}], "tools": tools})
-    assert err.value.param == "tools.1.function.parameters" and "nope" in err.value.message
+    assert err.value.param == "tools[1].function.parameters" and "nope" in err.value.message
