@@ -3,6 +3,9 @@ fallback (issue 31 #11): a real gateway, stand-in upstreams on 127.0.0.1 (one se
 /v1/completions and /v1/responses, as llama.cpp and older vLLM answer) and the official openai SDK."""
 from __future__ import annotations
 
+import time
+
+import httpx
 import openai
 import pytest
 
@@ -268,3 +271,30 @@ def test_a_llama_named_model_streams_without_fetching_a_tokenizer(gateway, chat,
     monkeypatch.setattr(litellm.utils, "_return_huggingface_tokenizer", fetch)
     text, _ = _completion(_client(gateway), "declared", stream=True)
     assert text == TEXT4 and fetched == []
+
+
+def test_several_choices_translate_with_their_indices(gateway, chat) -> None:
+    client = _client(gateway)
+    reply = client.completions.create(model="declared", prompt="one two three", max_tokens=4, n=2)
+    assert [(c.index, c.text) for c in reply.choices] == [(0, TEXT4), (1, TEXT4)]
+    assert reply.usage.completion_tokens == 8
+    chunks = list(client.completions.create(model="declared", prompt="one two three", max_tokens=4, n=2, stream=True))
+    for index in (0, 1):
+        assert "".join(c.text for chunk in chunks for c in chunk.choices if c.index == index) == TEXT4
+    assert standin_stats(chat)["last_payload"]["n"] == 2
+
+
+def test_a_client_leaving_a_translated_stream_closes_the_upstream(gateway, chat) -> None:
+    standin_control(chat, token_delay_ms=100)
+    with httpx.stream("POST", f"{gateway.base_url}/completions", timeout=10,
+                      headers={"authorization": f"Bearer {MASTER_KEY}"},
+                      json={"model": "declared", "prompt": "one two three", "max_tokens": 50, "stream": True}) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data:")).startswith('data: {"id":"cmpl-')
+    deadline = time.monotonic() + 10  # the gateway notices the disconnect, closes the upstream, queues the row
+    while not (rows := [r for r in _rows(gateway, "declared") if r["status"] == "client_closed"]) \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert standin_stats(chat)["disconnects"] == 1 and standin_stats(chat)["completed"] == 0
+    assert [(r["endpoint"], r["backend"]) for r in rows] == [("completions via chat", "declared")]
+    assert rows[0]["completion_tokens"] < 50
