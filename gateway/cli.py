@@ -139,7 +139,10 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
         c.add_argument("--until", default=None, metavar="DATE", help="last day (UTC, inclusive; or ISO time)")
         c.add_argument("--database-url", default=None,
                        help="ledger database (default: $SWITCHYARD_DATABASE_URL, else sqlite:///data/switchyard.db)")
-        c.add_argument("--policy", default=None, help="policy YAML for prices (default: policies/default.yaml)")
+        c.add_argument("--policy", default=None,
+                       help="policy YAML for prices. spreadsheet: a labelled what-if (default: each row by the policy "
+                            "version that served it, as the gateway stored it); capacity, ladder: the engine's price "
+                            "(default: policies/default.yaml)")
 
     c = rsub.add_parser("spreadsheet", help="write the buy-versus-host workbook (or CSV files)",
                         description="Build a workbook with live formulas from the ledger: Traffic, Prices, "

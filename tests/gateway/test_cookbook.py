@@ -72,6 +72,9 @@ def seed_records(n: int = 600) -> list[LedgerRecord]:
             cached_prompt_tokens=cached if routed else 0, completion_tokens=completion,
             cost_usd=cost / 3 if in_house else cost, cost_basis=BACKENDS.get(backend or ""),
             gpu_seconds=0.01 * completion if in_house else None,
+            device_hour_usd=2.5 if in_house else None,
+            # half the engine rows from before migration 0005 (no busy_cost_usd): the cookbook works it out
+            busy_cost_usd=0.01 * completion * 2.5 / 3600 if in_house and i % 2 else None,
             counterfactual_cost_usd=cost if in_house else None,
             latency_ms=round(rng.lognormvariate(5, 0.6), 3) if routed else 1.0,
             status=status, error_type="upstream_5xx" if status == "error" else None,
@@ -230,6 +233,19 @@ def test_every_query_runs_and_answers_correctly(seeded: tuple[str, list[LedgerRe
         last[team] = cumulative
     for team in TEAMS:
         assert last[team] == approx(sum(r.cost_usd for r in records if r.team == team))
+
+    # stable chargeback: device seconds at the list rate, beside the amortised cost
+    charge: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+    for r in records:
+        if r.cost_basis == "gpu_amortized" and r.gpu_seconds is not None:
+            c = charge[(r.team, r.backend)]
+            c[0] += 1
+            c[1] += r.gpu_seconds * 2.5 / 3600
+            c[2] += r.cost_usd
+    got = {(t, b): (n, lr, am) for t, b, n, _s, lr, am in results["Stable chargeback per team"]}
+    assert got.keys() == charge.keys() and got
+    for k, (n, lr, am) in charge.items():
+        assert got[k][0] == n and got[k][1] == approx(lr) and got[k][2] == approx(am)
 
 
 # ---------------------------------------------------------------------------------- the buy-versus-host views
