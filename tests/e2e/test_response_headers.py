@@ -176,3 +176,16 @@ def test_the_engines_own_param_paths_are_written_openais_way():
         with pytest.raises(ValidationError) as err:
             ChatCompletionRequest.model_validate({"model": "m", **fields})
         assert validation_error(err.value).param == param
+
+
+@pytest.mark.parametrize("route", ["hosted", "local"])
+def test_responses_api_streams_carry_the_cost_in_the_final_event(gateway, route):
+    reply = sdk(gateway).responses.with_raw_response.create(model=route, input="hello there", max_output_tokens=16,
+                                                            stream=True)
+    assert reply.headers["x-switchyard-route-reason"] == "fixed"
+    events = list(reply.parse())
+    done = events[-1]
+    assert done.type in ("response.completed", "response.incomplete") and done.response.model == route
+    cost = done.response.usage.model_extra["cost_usd"]
+    [row] = rows(gateway)
+    assert cost > 0 and cost == pytest.approx(row["cost_usd"], abs=1e-12)
