@@ -19,6 +19,7 @@ Responses → chat: gateway/responses_api.py (the translation engines use), plai
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +28,8 @@ from gateway.backends.base import Completion, Endpoint, UpstreamError
 
 if TYPE_CHECKING:
     from gateway.backends.base import Backend
+
+log = logging.getLogger("switchyard.backends")
 
 TRANSLATABLE = frozenset({"completions", "responses"})
 SERVED_AS = "chat"
@@ -151,8 +154,11 @@ def _endpoint_missing(e: UpstreamError) -> bool:
 
 def _learn(backend: Backend, endpoint: Endpoint, chat_outcome: UpstreamError | None) -> None:
     """The endpoint 404'd and chat then answered (a success, or an HTTP error other than 404): it is missing."""
-    if chat_outcome is None or (chat_outcome.kind == "http" and chat_outcome.status != 404):
+    if (chat_outcome is None or (chat_outcome.kind == "http" and chat_outcome.status != 404)) \
+            and endpoint not in backend.served_as_chat:
         backend.served_as_chat.add(endpoint)
+        log.warning("backend %s answered 404 on /v1/%s and serves chat: its %s requests go out as chat completions "
+                    "from now on (set `endpoints:` in the policy to say so up front)", backend.name, endpoint, endpoint)
 
 
 class Untranslatable(UpstreamError):
