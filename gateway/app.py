@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -56,6 +57,8 @@ class GatewayConfig:
     wait_for_engines_s: float = 120.0  # at start, how long to wait for embedded engines to be healthy
     # serve found the database unreachable: migrate it in the background once it answers (gateway/migrate_later.py)
     migrate_when_reachable: bool = False
+    # ... and once it is migrated, run this (serve: make the first admin key that start-up could not)
+    on_database_ready: Callable[[], Awaitable[None]] | None = None
     banner: str | None = None  # printed once startup is complete (the first-start key and snippet)
     # Larger request bodies get a 413 before they are parsed (env SWITCHYARD_MAX_BODY_BYTES; default 8 MiB).
     max_body_bytes: int = field(default_factory=settings.max_body_bytes)
@@ -89,7 +92,8 @@ async def _lifespan(app: Starlette):
     gw = await _start(config)
     app.state.gw = gw
     app.state.services = gw.services
-    migrator = asyncio.create_task(migrate_when_reachable(config.database_url), name="migrate-later") \
+    migrator = asyncio.create_task(migrate_when_reachable(config.database_url, then=config.on_database_ready),
+                                   name="migrate-later") \
         if config.migrate_when_reachable else None
     # Serve at once: API routes answer while embedded engines start (their routes fall back, or answer 503 with
     # Retry-After, until each is healthy); the banner waits for them, so its snippet works when pasted.

@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from gateway import db
@@ -19,8 +19,32 @@ log = logging.getLogger("switchyard.db")
 
 
 async def migrate_when_reachable(url: str, *, initial_s: float = 0.5, max_s: float = 10.0,
-                                 upgrade: Callable[[str], Any] = db.upgrade) -> None:
-    """Retry `upgrade(url)` with exponential backoff until it succeeds (cancel to stop)."""
+                                 upgrade: Callable[[str], Any] = db.upgrade,
+                                 then: Callable[[], Awaitable[Any]] | None = None) -> None:
+    """Retry `upgrade(url)` with exponential backoff until it succeeds (cancel to stop); then run `then` (what
+    start-up skipped for want of the database, e.g. the first admin key), retried the same way while the
+    database is unreachable again."""
+    await _migrate(url, initial_s, max_s, upgrade)
+    if then is not None:
+        await _retry_while_unreachable(then, url, initial_s, max_s)
+
+
+async def _retry_while_unreachable(fn: Callable[[], Awaitable[Any]], url: str, initial_s: float,
+                                   max_s: float) -> None:
+    delay = initial_s
+    while True:
+        try:
+            await fn()
+            return
+        except Exception as exc:  # noqa: BLE001 - unreachable: retried; anything else: logged once, given up
+            if not db.is_unreachable(exc):
+                log.error("after migrating %s: %s", db.redact_url(url), _one_line(exc))
+                return
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, max_s)
+
+
+async def _migrate(url: str, initial_s: float, max_s: float, upgrade: Callable[[str], Any]) -> None:
     delay, attempts = initial_s, 0
     while True:
         attempts += 1

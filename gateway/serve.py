@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import os
 import socket
@@ -111,15 +112,19 @@ def serve(args: argparse.Namespace) -> int:
         model = _example_model(policy)
         master = settings.master_key()
         banner = f"\nSwitchyard is ready at {base_url}\n"
+        later = None
         if master is None:
             new_key = _bootstrap_or_defer(url) if reachable else _NO_DATABASE
             if new_key is _NO_DATABASE:
-                banner += NO_KEY_YET
+                key_file = (settings.data_dir() / ADMIN_KEY_FILE).resolve()
+                banner += NO_KEY_YET.format(key_file=key_file)
+                later = functools.partial(bootstrap_admin_key_later, url, key_file)
             else:
                 banner += admin_key_banner(new_key, settings.data_dir(), base_url, model, tty=sys.stdout.isatty())
         # Printed once the gateway (and any embedded engine) is ready, so the snippet works when pasted.
         config = GatewayConfig(policy_path=policy_path, database_url=url, data_dir=settings.data_dir(),
-                               master_key=master, banner=banner, migrate_when_reachable=not reachable)
+                               master_key=master, banner=banner, migrate_when_reachable=not reachable or
+                               later is not None, on_database_ready=later)
         return _run(create_app(config), sock, args.log_level)
     except _StartError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -132,7 +137,25 @@ def serve(args: argparse.Namespace) -> int:
 
 _NO_DATABASE = object()  # the admin-key bootstrap could not reach the database
 NO_KEY_YET = ("\nNo admin key was created: the database is unreachable, and the first-start key is made there. "
-              "Restart once it answers (or set SWITCHYARD_MASTER_KEY) to get one.\n")
+              "Once it answers, the key is made and written to {key_file} (mode 0600; never printed or logged); "
+              "or set SWITCHYARD_MASTER_KEY.\n")
+
+
+async def bootstrap_admin_key_later(url: str, key_file: Path) -> None:
+    """The first-start admin key that start-up could not make (the database was down), once the database answers
+    (gateway/migrate_later.py runs this after migrating): written to `key_file` only, mode 0600, whatever stdout
+    is (by now stdout may be anything, and a log line would keep the key); the log says where it is."""
+    key = await asyncio.wait_for(_bootstrap_admin_key(url), 30)
+    if key is None:
+        return  # another gateway on this database made one meanwhile
+    try:
+        _write_private(key_file, key + "\n")
+    except OSError as exc:
+        log.error("created the first admin key now that the database answers, but %s could not be written (%s); "
+                  "make one with `switchyard keys create --team admin --admin`", key_file, exc.strerror)
+        return
+    log.warning("the database answers: created the first admin key; it is in %s (mode 0600). Store it, then "
+                "delete that file", key_file)
 
 
 class _StartError(Exception):
