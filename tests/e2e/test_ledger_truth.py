@@ -8,7 +8,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from gateway.testing.standin import run_standin, standin_stats
+from gateway.testing.standin import run_standin, standin_control, standin_stats
 from tests.e2e.conftest import MASTER_KEY, ledger_rows, run_gateway, tiny_difficulty_model
 from tests.e2e.refusing_upstream import refusing_upstream
 
@@ -28,6 +28,13 @@ backends:
     model: openai/text-embedding-3-small
     api_base: {ok}
     api_key_env: STANDIN_API_KEY
+  flaky:
+    kind: engine
+    model: demo-model
+    api_base: {ok}
+    failure_threshold: 1
+    max_retries: 0
+    cooldown_s: 60
   eng-refusing:
     kind: engine
     model: demo-model
@@ -57,6 +64,9 @@ routes:
   refused-nocode:
     strategy: fixed
     backend: api-refusing-nocode
+  flaky-route:
+    strategy: fixed
+    backend: flaky
   smart:
     strategy: difficulty
     easy: eng
@@ -130,3 +140,18 @@ def test_embeddings_on_a_difficulty_route_say_capability(gateway):
     [row] = rows(gateway)
     assert (row["status"], row["backend"], row["route_reason"], row["difficulty"]) == ("ok", "emb", "capability",
                                                                                         None)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_a_backend_failure_names_the_backend_and_an_open_circuit_says_circuit_open(gateway, stream):
+    standin_control(gateway.ok_url, fail_next=1, fail_status=503)
+    for _ in range(2):  # the 503 opens the breaker (failure_threshold 1); the second request tries nothing
+        with pytest.raises(openai.APIStatusError):
+            sdk(gateway).chat.completions.create(model="flaky-route", messages=MSG, max_tokens=2, stream=stream)
+    assert standin_stats(gateway.ok_url)["requests"] == 1
+    failed, open_ = rows(gateway)
+    assert (failed["status"], failed["error_type"], failed["backend"], failed["http_status"]) == (
+        "error", "upstream_http", "flaky", 502)
+    assert (open_["status"], open_["error_type"], open_["backend"], open_["http_status"]) == (
+        "error", "circuit_open", None, 503)
+    assert open_["requested_model"] == "flaky-route"
