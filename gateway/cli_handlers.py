@@ -55,7 +55,7 @@ def report_ladder(args: argparse.Namespace) -> int:
     """`switchyard report ladder`: the benchmark's rungs priced at the ledger's measured utilisation."""
     from gateway import settings
     from gateway.reports import ladder
-    from gateway.reports.figures import Ledger, ReportError, Window
+    from gateway.reports.figures import Ledger, ReportError, Window, window_caveat
 
     measured = None
     if args.utilisation is None:
@@ -64,6 +64,9 @@ def report_ladder(args: argparse.Namespace) -> int:
             with Ledger.open(settings.database_url(args.database_url)) as ledger:
                 engines = [e for e in ledger.engines(window)
                            if e.has_uptime and (args.backend is None or e.backend == args.backend)]
+                short = window_caveat(ledger.summary(window)) if engines else None
+            if short:  # the measured utilisation of part of a day
+                print(f"note: {short}", file=sys.stderr)
         except ReportError as exc:
             print(f"note: no measured utilisation ({exc}); pricing at 100% only", file=sys.stderr)
             engines = []

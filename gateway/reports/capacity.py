@@ -248,6 +248,15 @@ class LedgerLoad:
     mean_prompt_tokens: float  # over every ok request in the window
     mean_completion_tokens: float
     hours_with_traffic: int
+    span_hours: int = 0  # UTC hours from the first hour with traffic to the last, both included
+
+    @property
+    def window_note(self) -> str | None:
+        """The label every report gives a window shorter than a day (its busiest hour may be a partial one)."""
+        if self.span_hours >= 24:
+            return None
+        return (f"SHORT WINDOW: the ledger's traffic spans {self.span_hours} UTC hour(s), less than a day: its "
+                "busiest hour may be partly covered and misses the daily peak; give --target-tokens-per-s to plan")
 
 
 def parse_when(value: str | date | datetime | None) -> datetime | None:
@@ -328,9 +337,11 @@ def ledger_load(url: str, since: str | datetime | None = None, until: str | date
     if completion == 0:
         raise CapacityError(f"the ledger's {requests} successful requests{where}{window} produced no output tokens")
     hour_, n, p, k = max(rows, key=lambda r: (r[3], r[2], r[0]))
+    hours = sorted(datetime.strptime(r[0], "%Y-%m-%d %H") for r in rows)
+    span = int((hours[-1] - hours[0]).total_seconds() // 3600) + 1
     return LedgerLoad(requests=requests, busiest_hour=hour_, busiest_hour_requests=n, output_tok_s=k / 3600,
                       prompt_tok_s=p / 3600, mean_prompt_tokens=sum(r[2] for r in rows) / requests,
-                      mean_completion_tokens=completion / requests, hours_with_traffic=len(rows))
+                      mean_completion_tokens=completion / requests, hours_with_traffic=len(rows), span_hours=span)
 
 
 # ---------------------------------------------------------------------------------------------- the price
@@ -451,7 +462,7 @@ def report_json(r: CapacityReport) -> dict[str, Any]:
             "devices": p.devices, "achieved_utilisation": p.achieved_utilisation,
             "device_backend": r.price.backend, "device_hour_usd": r.price.usd_per_hour,
             "hours_per_month": HOURS_PER_MONTH, "monthly_usd": r.monthly_usd,
-            "ledger": asdict(r.load) if r.load else None,
+            "ledger": {**asdict(r.load), "window_note": r.load.window_note} if r.load else None,
             "curve": {"source": r.curve.source, "tokens_per_request": r.curve.tokens_per_request,
                       "points": [asdict(x) for x in r.curve.points]},
             "roofline": {"context_tokens": r.roofline_context,
@@ -467,6 +478,8 @@ def _opt_ms(x: float | None) -> str:
 def format_report(r: CapacityReport) -> str:
     p = r.plan
     lines = ["Capacity plan (tokens per second)", ""]
+    if r.load and r.load.window_note:
+        lines += [r.load.window_note, ""]
     if r.load:
         lines += [(f"ledger: {r.load.requests:,} ok requests over {r.load.hours_with_traffic} hours with traffic; "
                   f"busiest hour {r.load.busiest_hour}:00 UTC: {r.load.output_tok_s:,.2f} output tok/s, "

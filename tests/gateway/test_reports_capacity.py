@@ -316,6 +316,9 @@ def test_run_from_ledger(ledger_url, curve_file, policy_file):
                            policy=str(policy_file))
     assert rc == 0, err
     assert "busiest hour 2025-03-01 10:00 UTC: 0.17 output tok/s" in out
+    # issue 31 #6: a ledger shorter than a day is labelled as such (its busiest "hour" may be a partial one)
+    assert out.startswith("Capacity plan (tokens per second)\n\nSHORT WINDOW: the ledger's traffic spans 2 UTC hour")
+    assert body["ledger"]["window_note"].startswith("SHORT WINDOW")
 
 
 def test_empty_ledger_exits_1_with_message(migrated_db_url, curve_file, policy_file):

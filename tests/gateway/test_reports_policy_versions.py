@@ -200,7 +200,7 @@ def test_rows_without_a_stored_version_fall_back_labelled(migrated_db_url, tmp_p
     assert any("served by policy version p-before-0005" in line for line in printed)
 
 
-def test_short_window_projects_engine_time_over_the_same_window(migrated_db_url, tmp_path):
+def test_short_window_projects_engine_time_over_the_same_window(migrated_db_url, tmp_path, capsys):
     """An always-on $2.50/h engine over a 17-minute ledger costs 730 h x $2.50 = $1,825 a month."""
     p1 = _policy_file(tmp_path, "served.yaml", 8.0)
     (v1,) = _store(migrated_db_url, tmp_path, p1)
@@ -220,6 +220,13 @@ def test_short_window_projects_engine_time_over_the_same_window(migrated_db_url,
     assert printed[1].startswith("SHORT WINDOW: the ledger covers 17 minutes, less than a day")
     notes = {r[0]: r[1] for r in _csv(tmp_path / "out" / "notes.csv")[1:] if len(r) > 1}
     assert notes["window length"].startswith("SHORT WINDOW")
+    # `report ladder` prices at this window's measured utilisation: it says the window is short too
+    from gateway.cli_handlers import report_ladder
+
+    ladder_args = argparse.Namespace(since=None, until=None, database_url=migrated_db_url, policy=str(p1),
+                                     backend=None, utilisation=None, json=True, bench=str(tmp_path / "none.json"))
+    report_ladder(ladder_args)
+    assert "note: SHORT WINDOW: the ledger covers 17 minutes" in capsys.readouterr().err
 
 
 def test_two_always_on_engines_cost_their_own_prices_a_month(migrated_db_url, tmp_path):
