@@ -55,6 +55,11 @@ _DATE = (rf"(?:{_YEAR}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469
          rf"|02-(?:0[1-9]|1[0-9]|2[0-8]))|{_LEAP_YEAR}-02-29)")
 _TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]+)?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
 _OCTET = r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+# One decoded character of a JSON string, as a pattern xgrammar matches on the string's raw text: a character
+# that needs no escape (never a control character, nor a UTF-8-encoded surrogate, which xgrammar's own string
+# rule lets through and which then decodes as three U+FFFD), or a short escape. Length bounds are enforced
+# as repetitions of it: xgrammar's minLength/maxLength rule also lets raw control characters through.
+JSON_CHAR = "(?:[ !#-\\[\\]-\ud7ff\ue000-\U0010ffff]|\\\\[\"\\\\/bfnrt])"
 FORMAT_PATTERNS = {
     "date": rf"^{_DATE}$",
     "date-time": rf"^{_DATE}T{_TIME}$",
@@ -72,6 +77,9 @@ VOCABULARY_2020_12 = frozenset({
     "dependentRequired", "title", "description", "default", "deprecated", "readOnly", "writeOnly", "examples",
     "format", "contentEncoding", "contentMediaType", "contentSchema"})
 _LOOKAROUND = re.compile(r"\(\?<?[=!]")
+# Pattern pieces that can match a UTF-8-encoded surrogate (invalid UTF-8, decoded as U+FFFD x3) or a raw
+# backslash (which then starts an escape and changes what the string decodes to).
+_WIDE_ESCAPES = {"W": "\\W", "D": "\\D", "S": "\\S", "\\": "a literal backslash"}
 _JSON_TYPES = {"object": Mapping, "array": list, "string": str, "boolean": bool, "null": type(None)}
 
 
@@ -204,6 +212,12 @@ def _strings(schema: Mapping[str, Any], where: str) -> None:
         p = schema["pattern"]
         if isinstance(p, str) and _LOOKAROUND.search(p):
             raise StrictSchemaError(f"{where}.pattern", "lookahead and lookbehind in a pattern are not enforced")
+    if isinstance(schema.get("pattern"), str):
+        wide = _wide_piece(schema["pattern"])
+        if wide:
+            raise StrictSchemaError(f"{where}.pattern", f"{wide} in a pattern is not enforced exactly (the grammar "
+                                                        f"lets it produce invalid UTF-8 or change the decoded "
+                                                        f"text); list the characters allowed instead")
     fmt = schema.get("format")
     if fmt is not None and fmt not in STRICT_FORMATS:
         raise StrictSchemaError(f"{where}.format", f"format {fmt!r} is not enforced by constrained decoding "
@@ -216,13 +230,40 @@ def _strings(schema: Mapping[str, Any], where: str) -> None:
                                                        f"(only one of pattern, format, min/maxLength is)")
 
 
+def _wide_piece(pattern: str) -> str | None:
+    """The first piece of `pattern` that matches any character ('.', a negated class, \\W \\D \\S) or a
+    backslash; None when there is none."""
+    i, in_class = 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\" and i + 1 < len(pattern):
+            if pattern[i + 1] in _WIDE_ESCAPES:
+                return _WIDE_ESCAPES[pattern[i + 1]]
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            if pattern[i + 1:i + 2] == "^":
+                return "a negated character class"
+            if pattern[i + 1:i + 2] == "]":  # a literal ] first in the class
+                i += 1
+        elif c == ".":
+            return "'.'"
+        i += 1
+    return None
+
+
 def _numbers(schema: Mapping[str, Any], where: str) -> None:
     if "multipleOf" not in schema:
         return
     m = schema["multipleOf"]
-    if _types(schema) - {"integer"} or not (isinstance(m, int) and not isinstance(m, bool) and m > 0):
-        raise StrictSchemaError(f"{where}.multipleOf", "'multipleOf' is enforced only with type 'integer' and a "
-                                                       "positive integer multipleOf")
+    types = _types(schema)
+    if "integer" not in types or types - {"integer", "null"} or \
+            not (isinstance(m, int) and not isinstance(m, bool) and m > 0):
+        raise StrictSchemaError(f"{where}.multipleOf", "'multipleOf' is enforced only with type 'integer' (or "
+                                                       "integer and null) and a positive integer multipleOf")
     bounds = [k for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum") if k in schema]
     if bounds:  # xgrammar drops multipleOf beside a range ("not yet supported")
         raise StrictSchemaError(f"{where}.multipleOf", f"'multipleOf' beside '{bounds[0]}' is not enforced")
@@ -268,8 +309,9 @@ def _objects(schema: Mapping[str, Any], where: str, doc: Any) -> None:
 
 # ---------------------------------------------------------------------------------------------- grammar side
 def grammar_schema(schema: Any) -> Any:
-    """The schema handed to xgrammar: `format`s it enforces loosely (date, date-time, ipv4) replaced by exact
-    patterns, where no pattern or length bound sits beside them. The client's schema is left untouched."""
+    """The schema handed to xgrammar: `format`s it enforces loosely (date, date-time, ipv4) and string length
+    bounds replaced by exact patterns (where no other pattern or format sits beside them). The client's schema
+    is left untouched."""
     out = copy.deepcopy(schema)
     return out if _rewrite(out) else schema
 
@@ -278,6 +320,11 @@ _SUB_ONE = ("items", "additionalProperties", "unevaluatedItems", "unevaluatedPro
             "contains", "not", "if", "then", "else", "contentSchema")
 _SUB_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
 _SUB_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+
+
+def _is_string(node: dict) -> bool:
+    t = node.get("type")
+    return t == "string" or (isinstance(t, list) and "string" in t)
 
 
 def _rewrite(node: Any) -> bool:
@@ -289,6 +336,10 @@ def _rewrite(node: Any) -> bool:
     if isinstance(fmt, str) and fmt in FORMAT_PATTERNS and not {"pattern", "minLength", "maxLength"} & node.keys():
         del node["format"]
         node["pattern"] = FORMAT_PATTERNS[fmt]
+        changed = True
+    elif _is_string(node) and {"minLength", "maxLength"} & node.keys() and not {"pattern", "format"} & node.keys():
+        lo, hi = node.pop("minLength", 0), node.pop("maxLength", "")
+        node["pattern"] = f"^{JSON_CHAR}{{{lo},{hi}}}$"
         changed = True
     subs = [node[k] for k in _SUB_ONE if k in node]
     subs += [v for k in _SUB_MAPS if isinstance(node.get(k), dict) for v in node[k].values()]

@@ -147,6 +147,9 @@ CASES = [
          "beside a pattern"),
     Case("pattern", Enforced({"type": "string", "pattern": "^[a-c]{2}$"}, ["ab"], ["ad", "abc"])),
     Case("pattern", Refused({"type": "string", "pattern": "^(?!x)[a-z]$"}, "pattern"), "lookahead"),
+    Case("pattern", Refused({"type": "string", "pattern": "^[^@]+@x$"}, "pattern"), "a negated class"),
+    Case("pattern", Refused({"type": "string", "pattern": "^a.c$"}, "pattern"), "a dot"),
+    Case("pattern", Refused({"type": "string", "pattern": "^a\\\\b$"}, "pattern"), "a literal backslash"),
     Case("maxItems", Enforced({"type": "array", "items": INT, "maxItems": 1}, [[1]], [[1, 2]])),
     Case("minItems", Enforced({"type": "array", "items": INT, "minItems": 2}, [[1, 2]], [[1]])),
     Case("uniqueItems", Refused({"type": "array", "items": INT, "uniqueItems": True}, "uniqueItems")),
@@ -259,6 +262,25 @@ def test_keyword_is_enforced_or_refused(case, engine_server, http):
         assert _accepts(compiled, doc, stop_id), f"rejects conforming {doc!r}"
     for doc in case.verdict.bad:
         assert not _accepts(compiled, doc, stop_id), f"accepts violating {doc!r}"
+
+
+@pytest.mark.parametrize("schema", [{"type": "string", "maxLength": 3}, {"type": "string", "minLength": 1},
+                                    {"type": ["string", "null"], "maxLength": 2},
+                                    {"type": "object", "propertyNames": {"type": "string", "maxLength": 2},
+                                     "additionalProperties": INT}])
+def test_length_bounds_never_let_invalid_json_or_utf8_through(engine_server, schema):
+    """xgrammar's own length rule lets raw control characters (invalid JSON) and UTF-8-encoded surrogates
+    (invalid UTF-8, decoded as three U+FFFD, so too long) through; the engine's grammar does not."""
+    body = schema_body(schema, max_tokens=4)
+    plan = plan_chat(parse_request(ChatCompletionRequest, body), engine_server.tokenizer, engine_server.engine)
+    wrap = (lambda b: b'{"' + b + b'": 1}') if schema["type"] == "object" else (lambda b: b'"' + b + b'"')
+    stop_id = engine_server.tokenizer.eos_token_ids[0]
+    for bad in (b"\x01", b"\x1f", b"\t", b"\xed\xa0\x80"):
+        matcher = new_matcher(plan.jobs[0].params.grammar)
+        assert not (matcher.accept_string(wrap(bad)) and matcher.accept_token(stop_id)), bad
+    for good in ("é😀".encode(), b'\\"', b"\\n"):
+        matcher = new_matcher(plan.jobs[0].params.grammar)
+        assert matcher.accept_string(wrap(good)) and matcher.accept_token(stop_id), good
 
 
 # ---------------------------------------------------------------------------------------------- the issue's cases
