@@ -129,6 +129,9 @@ class DecisionInputs:
         elif not any(e.has_uptime for e in engines):
             notes.append("no engine_uptime rows: paid hours and utilisation are unknown (the gateway records "
                          "them while it scrapes its engines)")
+        caveat = window_caveat(summary)
+        if caveat:  # every report that lists these notes (the dashboard too) says the window is short
+            notes.insert(0, caveat)
         return cls(
             window_hours=summary.days * 24.0,
             prompt_tokens=summary.prompt_tokens, cached_prompt_tokens=summary.cached_prompt_tokens,
@@ -136,7 +139,7 @@ class DecisionInputs:
             device_hour_usd=hourly, devices=sum(e.devices for e in engines) or 1,
             tokens_per_s=tokens / seconds if seconds > 0 and tokens > 0 else None,
             up_hours=up / 3600.0, busy_hours=busy / 3600.0, utilisation=busy / up if up > 0 else None,
-            notes=notes, pricing=served.lines(), window_note=window_caveat(summary),
+            notes=notes, pricing=served.lines(), window_note=caveat,
             up_hour_usd=_weighted_price(engines, lambda e: e.up_seconds),
             busy_hour_usd=_weighted_price(engines, busy_weight(engines)))
 

@@ -520,7 +520,8 @@ def notes_sheet(window_text: str, database: str, policy_source: str, summary: Su
     for note, n in sorted(summary.notes.items()):
         s.add([f"rows with cost_note {note}", _c(n, fmt=INT)])
     for n in x.notes:
-        s.add(["decision note", n])
+        if n != x.window_note:  # already its own row above
+            s.add(["decision note", n])
     s.add([])
     s.add([Cell("definitions", bold=True)])
     for para in definitions:
