@@ -248,3 +248,34 @@ def test_two_always_on_engines_cost_their_own_prices_a_month(migrated_db_url, tm
     idle_per_hour = 2.50 * 54 / 60 + 0.40 * 30 / 60  # each engine's idle share at its own price
     assert d["cost of idle USD/month"] == pytest.approx(730 * idle_per_hour, rel=1e-9)
     assert d["$/hour of an engine up-hour"] == pytest.approx(2.90 / 2)
+
+
+async def test_a_policy_loaded_while_the_database_is_down_is_spooled_then_stored(pg_url, tmp_path):
+    """The text goes the ledger's way: with PostgreSQL cut, record() does not block and the row waits in the
+    spool; the next writer (the next gateway start) replays it once the database answers."""
+    from tests.gateway.test_ledger_outage import _proxy_to
+
+    db.upgrade(pg_url)
+    proxy = await _proxy_to(pg_url)
+    await proxy.cut()
+    p1 = _policy_file(tmp_path, "down.yaml", 8.0)
+    spool = tmp_path / "pv-spool.jsonl"
+    writer = PolicyVersionWriter(proxy.url_for(pg_url), spool, retry_initial_s=0.1, connect_timeout_s=2)
+    await writer.start()
+    started = asyncio.get_running_loop().time()
+    assert await writer.record(load_policy(p1))
+    assert asyncio.get_running_loop().time() - started < 1.0  # never waits on the database
+    await writer.close(timeout_s=3)
+    assert spool.exists() or writer.replay_path.exists()
+
+    await proxy.restore()
+    again = PolicyVersionWriter(proxy.url_for(pg_url), spool, retry_initial_s=0.1)
+    await again.start()
+    await again.close()
+    engine = sa.create_engine(db.sync_url(pg_url))
+    try:
+        with engine.connect() as conn:
+            stored = list(conn.execute(sa.text("SELECT version, text FROM policy_versions")))
+    finally:
+        engine.dispose()
+    assert [(r[0], r[1]) for r in stored] == [(load_policy(p1).version, p1.read_text())]
