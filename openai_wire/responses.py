@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 from starlette.responses import JSONResponse, StreamingResponse
 
 from openai_wire import APIError
@@ -25,6 +26,18 @@ class EventStreamResponse(StreamingResponse):
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
         self._on_end = on_end
+
+    async def stream_response(self, send: Any) -> None:
+        """Starlette's, with a checkpoint after each event: when the upstream's chunks are already buffered, reading
+        and sending them never suspends, so without it one relay holds the event loop for a whole backlog, the
+        loop never learns that its client left (every send then hits a closed socket: asyncio's "socket.send()
+        raised exception"), the disconnect watcher never runs, and every other request waits."""
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async for chunk in self.body_iterator:
+            await send({"type": "http.response.body", "body": chunk if isinstance(chunk, bytes | memoryview)
+                        else chunk.encode(self.charset), "more_body": True})
+            await anyio.lowlevel.checkpoint()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
