@@ -145,6 +145,7 @@ def engine_server(tmp_path_factory):
 def tally():
     counts = {"finished": 0, "cut": 0, "schemas": 0}
     yield counts
+    print(f"strict-schema property: {counts}")  # shown with -s / -rA
     # The property means something only if most answers finished (a cut answer is not checked).
     assert counts["finished"] >= 2 * counts["cut"], counts
 
