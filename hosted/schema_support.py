@@ -174,7 +174,7 @@ def _combinator(branches: Any, key: str, where: str, doc: Any) -> None:
 
 def _types(schema: Mapping[str, Any]) -> set[str]:
     t = schema.get("type")
-    return set(t) if isinstance(t, list) else {t} if isinstance(t, str) else set()
+    return {x for x in t if isinstance(x, str)} if isinstance(t, list) else {t} if isinstance(t, str) else set()
 
 
 def _has_type(value: Any, t: str) -> bool:
@@ -219,7 +219,7 @@ def _strings(schema: Mapping[str, Any], where: str) -> None:
                                                         f"lets it produce invalid UTF-8 or change the decoded "
                                                         f"text); list the characters allowed instead")
     fmt = schema.get("format")
-    if fmt is not None and fmt not in STRICT_FORMATS:
+    if fmt is not None and (not isinstance(fmt, str) or fmt not in STRICT_FORMATS):
         raise StrictSchemaError(f"{where}.format", f"format {fmt!r} is not enforced by constrained decoding "
                                                    f"(enforced: {', '.join(sorted(STRICT_FORMATS))})")
     kinds = [k for k in ("pattern", "format") if k in schema]

@@ -70,7 +70,7 @@ def check_schema(schema: Any, where: str = "schema", root: Any = None) -> None:
     if schema.get("uniqueItems") is True:
         raise SchemaError(f"{where} uses 'uniqueItems', which constrained decoding does not support")
     fmt = schema.get("format")
-    if fmt is not None and fmt not in SUPPORTED_FORMATS:
+    if fmt is not None and (not isinstance(fmt, str) or fmt not in SUPPORTED_FORMATS):
         raise SchemaError(f"{where} uses format {fmt!r}, which constrained decoding does not support "
                           f"(supported: {', '.join(sorted(SUPPORTED_FORMATS))})")
     for key in ("required", "enum"):

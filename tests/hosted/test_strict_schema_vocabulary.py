@@ -354,3 +354,41 @@ def test_through_the_gateway_with_the_openai_sdk(engine_server, tmp_path):
                 "required": ["n"], "additionalProperties": False}}})
         if ok.choices[0].finish_reason == "stop":
             assert 1 <= json.loads(ok.choices[0].message.content)["n"] <= 9
+
+
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize("schema", [{"type": "string", "format": []}, {"type": [["string"]]}])
+def test_malformed_keyword_values_are_a_400(http, strict, schema):
+    """A keyword whose value has the wrong JSON type is the client's 400, never a 500 (format [] was a
+    TypeError in the schema check)."""
+    r = http.post("/v1/chat/completions", json=schema_body(schema, strict=strict, max_tokens=4))
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"].startswith(SCHEMA_PARAM)
+
+
+def test_schema_checks_raise_only_their_own_errors():
+    """Arbitrary JSON as a schema: the strict allow-list, the basic check and the grammar rewrite raise nothing
+    but a schema error (which the server turns into a 400)."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from hosted.schema_support import VOCABULARY_2020_12, StrictSchemaError, check_strict, grammar_schema
+    from hosted.structured import SchemaError, check_schema
+
+    keys = st.sampled_from(sorted(VOCABULARY_2020_12 | {"definitions", "discriminator", "x"}))
+    leaves = st.none() | st.booleans() | st.integers(-3, 3) | st.floats(allow_nan=False) | st.sampled_from(
+        ["string", "integer", "object", "array", "#", "#/$defs/a", "date", "^a$", "a"])
+    values = st.recursive(leaves, lambda c: st.lists(c, max_size=3) | st.dictionaries(keys, c, max_size=4),
+                          max_leaves=12)
+
+    @settings(max_examples=400, derandomize=True, deadline=None, database=None)
+    @given(values)
+    def check(schema):
+        for run in (lambda: check_strict(schema, "p"), lambda: check_schema(schema, "p")):
+            try:
+                run()
+            except (StrictSchemaError, SchemaError):
+                pass
+        grammar_schema(schema)
+
+    check()
