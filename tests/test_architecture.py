@@ -6,6 +6,10 @@ depend on, not about when the import runs.
 from __future__ import annotations
 
 import ast
+import functools
+import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,9 +34,28 @@ def _layer(module: str) -> int | None:
     return None
 
 
+# Parsed in a fresh interpreter: CPython 3.11.7's AST recursion-depth bookkeeping can be left wrong by code that
+# ran earlier in this process (seen after the litellm-as-a-client test), and every later ast.parse then raises
+# "SystemError: AST constructor recursion depth mismatch".
+_PARSE_ALL = """
+import ast, pickle, sys
+paths = sys.argv[1:]
+trees = {p: ast.parse(open(p, encoding="utf-8").read(), filename=p) for p in paths}
+sys.stdout.buffer.write(pickle.dumps(trees))
+"""
+
+
+@functools.cache
+def _trees(root: Path) -> dict[str, ast.Module]:
+    """Every module under `root` (ROOT, or a test's own tree), parsed in one fresh interpreter."""
+    paths = [str(p) for pkg in PACKAGES for p in sorted((root / pkg).rglob("*.py"))]
+    done = subprocess.run([sys.executable, "-c", _PARSE_ALL, *paths], capture_output=True, check=True)
+    return pickle.loads(done.stdout)
+
+
 def _imports(path: Path) -> list[tuple[int, str]]:
     """(line, dotted module) for every import in the file, relative imports resolved."""
-    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    tree = _trees(ROOT)[str(path)]
     package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
     found = []
     for node in ast.walk(tree):
