@@ -258,7 +258,13 @@ def test_workbook_recalculates_and_matches_sql_and_decide(books):
     r = dec.decide(x)
     d = _decision(wb["Decision"])
     first, last = _q(path, "SELECT MIN(created_at), MAX(created_at) FROM requests")
-    hours_window = (datetime.fromisoformat(last) - datetime.fromisoformat(first)).total_seconds() / 3600
+    # One window for traffic and paid engine time: the requests' span and the uptime intervals' together (an
+    # interval's row is stamped at its start and ends `seconds` later).
+    with sqlite3.connect(path) as conn:
+        intervals = conn.execute("SELECT created_at, seconds FROM engine_uptime").fetchall()
+    starts = [datetime.fromisoformat(first), *(datetime.fromisoformat(t) for t, _ in intervals)]
+    ends = [datetime.fromisoformat(last), *(datetime.fromisoformat(t) + timedelta(seconds=s) for t, s in intervals)]
+    hours_window = (max(ends) - min(starts)).total_seconds() / 3600
     m = 730 / hours_window
     p, c, o = (v * m for v in sql[1:4])
     price = dec.api_prices(load_policy(DEFAULT_POLICY))["mini"]
