@@ -14,19 +14,14 @@ own `req_<32 hex>`, which is then the header and the row's id alike.
 """
 from __future__ import annotations
 
-import logging
 import re
-import time
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 from starlette.requests import ClientDisconnect
 
-from openai_wire import APIError
-from openai_wire.responses import error_response
-
-log = logging.getLogger("switchyard.http")
+from openai_wire import APIError, request_ids
 
 _HEADER = b"x-request-id"
 REQUEST_ID_KEY = "switchyard.request_id"  # scope key: this request's id (the ledger row's)
@@ -78,47 +73,12 @@ def internal_error(request_id: str) -> APIError:
                     type="api_error", code="internal_error")
 
 
-class RequestIdMiddleware:
+class RequestIdMiddleware(request_ids.RequestIdMiddleware):
+    """openai_wire's edge with the gateway's ids (the client's own when sane), its error text, and `on_error`
+    (the app's, which writes the ledger row) told the row's request id."""
+
     def __init__(self, app: Any, on_error: ErrorHook | None = None) -> None:
-        self.app = app
-        self.on_error = on_error
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        started_at = time.perf_counter()
-        request_id = request_id_of(scope)
-        public_id = public_id_of(scope)
-        id_header = public_id.encode()
-        started = False
-
-        async def send_with_id(message: dict) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-                headers = message.get("headers") or []  # the one id the client sees, whatever a route set
-                message["headers"] = [*(h for h in headers if h[0].lower() != _HEADER), (_HEADER, id_header)]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_with_id)
-        except Exception as exc:  # noqa: BLE001 - the one place an unexpected error becomes an answer
-            await self._answer(scope, receive, send_with_id, exc, request_id, started_at, started)
-
-    async def _answer(self, scope: dict, receive: Any, send: Any, exc: Exception, request_id: str,
-                      started_at: float, started: bool) -> None:
-        if isinstance(exc, ClientDisconnect):
-            log.info("client left %s %s before its request was read (%s)", scope.get("method"), scope.get("path"),
-                     request_id)
-        else:
-            log.error("unexpected error serving %s %s (%s, client id %s)", scope.get("method"), scope.get("path"),
-                      request_id, public_id_of(scope), exc_info=exc)
-        if self.on_error is not None:
-            try:
-                self.on_error(scope, request_id, exc, started_at)
-            except Exception:
-                log.exception("recording the error of %s failed", request_id)
-        if started or isinstance(exc, ClientDisconnect):
-            return  # headers are gone (or nobody is listening): the server ends the connection
-        await error_response(internal_error(public_id_of(scope)))(scope, receive, send)
+        hook = None if on_error is None else (
+            lambda scope, exc, started_at: on_error(scope, request_id_of(scope), exc, started_at))
+        super().__init__(app, public_id=public_id_of, error_body=internal_error, on_error=hook,
+                         quiet=(ClientDisconnect,))

@@ -85,8 +85,7 @@ class ServedPolicies:
         out = [f"prices: {self.label()}"]
         if self.spans_several:
             for u in self.served_versions:
-                how = "" if u.stored and not self.what_if else (
-                    "" if self.what_if else f" (no stored text: priced with {self.fallback_source})")
+                how = "" if u.stored or self.what_if else f" (no stored text: priced with {self.fallback_source})"
                 out.append(f"  policy version {u.version}: {u.rows:,} rows, {_t(u.first)} to {_t(u.last)}{how}")
         if self.what_if and self.served_versions:
             served = ", ".join(u.version or "" for u in self.served_versions)
@@ -94,8 +93,7 @@ class ServedPolicies:
         elif self.fallback_rows and self.served_versions and not self.spans_several:
             out.append(f"  {self.fallback_rows:,} rows have no stored policy text: priced with "
                        f"{self.fallback_source} (version {self.fallback.version})")
-        elif self.fallback_rows and not self.served_versions:
-            pass  # the label says it already
+        # (fallback rows with no served version at all: label() already names the fallback)
         unversioned = sum(u.rows for u in self.uses if not u.version)
         if unversioned and not self.what_if:
             out.append(f"  {unversioned:,} rows record no policy version (rejected before routing): priced with "

@@ -23,6 +23,22 @@ from gateway.app import GatewayConfig, create_app
 MASTER_KEY = "sk-test-master"
 
 
+# One engine-kind route (`local`) over a stand-in (format with `standin=` its base URL): the smallest gateway
+# the fault tests need.
+ONE_ENGINE_ROUTE_POLICY = """
+backends:
+  eng:
+    kind: engine
+    model: demo-model
+    api_base: {standin}
+    gpu_hour_usd: 3.6
+routes:
+  local:
+    strategy: fixed
+    backend: eng
+"""
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -15,20 +15,9 @@ from sqlalchemy.engine import make_url
 from gateway import db
 from gateway.keys import create_key
 from gateway.testing.tcp_proxy import TcpProxy
-from tests.e2e.conftest import ledger_rows, run_gateway
+from tests.e2e.conftest import ONE_ENGINE_ROUTE_POLICY, ledger_rows, run_gateway
 
-POLICY = """
-backends:
-  eng:
-    kind: engine
-    model: demo-model
-    api_base: {standin}
-    gpu_hour_usd: 3.6
-routes:
-  local:
-    strategy: fixed
-    backend: eng
-"""
+POLICY = ONE_ENGINE_ROUTE_POLICY
 
 
 @pytest.fixture

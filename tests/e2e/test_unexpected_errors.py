@@ -6,20 +6,9 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import MASTER_KEY, ledger_rows, run_gateway
+from tests.e2e.conftest import MASTER_KEY, ONE_ENGINE_ROUTE_POLICY, ledger_rows, run_gateway
 
-POLICY = """
-backends:
-  eng:
-    kind: engine
-    model: demo-model
-    api_base: {standin}
-    gpu_hour_usd: 3.6
-routes:
-  local:
-    strategy: fixed
-    backend: eng
-"""
+POLICY = ONE_ENGINE_ROUTE_POLICY
 
 
 class _Broken:
