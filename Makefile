@@ -3,9 +3,10 @@ VENV    ?= .venv
 PYTHON  ?= python3
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed-stamp
-# Debian packages the tests drive: LibreOffice recomputes the workbook's formulas, Chromium loads the
-# dashboard. Installed once, only when missing (CI runs as root on a Debian machine).
-SYSTEM_TOOLS := /usr/bin/soffice /usr/bin/chromium
+# Debian packages the tests drive: LibreOffice recomputes the workbook's formulas (and prints it to PDF,
+# which poppler's pdftotext reads back), Chromium loads the dashboard. Installed once, only when missing (CI
+# runs as root on a Debian machine).
+SYSTEM_TOOLS := /usr/bin/soffice /usr/bin/chromium /usr/bin/pdftotext
 export LITELLM_LOCAL_MODEL_COST_MAP := True
 
 .PHONY: install system-tools serve test lint bench-gateway clean
@@ -31,7 +32,7 @@ serve: $(STAMP)
 $(SYSTEM_TOOLS):
 	DEBIAN_FRONTEND=noninteractive apt-get update -qq
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-		libreoffice-calc-nogui chromium fonts-dejavu-core
+		libreoffice-calc-nogui chromium fonts-dejavu-core poppler-utils
 
 system-tools: $(SYSTEM_TOOLS)
 

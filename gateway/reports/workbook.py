@@ -21,6 +21,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from gateway.reports import decision as dec
 from gateway.reports import figures
+from gateway.reports import workbook_layout as layout
 from gateway.reports import workbook_sheets as ws
 from gateway.reports.figures import Ledger, ReportError, Window
 
@@ -101,18 +102,17 @@ def build(ledger: Ledger, window: Window, policy, *, bench: str | None, database
 def write_xlsx(book: Book, path: Path) -> None:
     from openpyxl import Workbook
     from openpyxl.comments import Comment
-    from openpyxl.styles import Font, PatternFill
+    from openpyxl.styles import Alignment, Font, PatternFill
     from openpyxl.utils import get_column_letter
 
     wb = Workbook()
     wb.remove(wb.active)
     input_fill = PatternFill("solid", start_color=INPUT_FILL, end_color=INPUT_FILL)
     header_fill = PatternFill("solid", start_color=HEADER_FILL, end_color=HEADER_FILL)
-    bold = Font(bold=True)
+    bold = Font(name="Calibri", sz=11, bold=True)  # a bare <b/> reads as a serif font in LibreOffice
     for sheet in sorted(book.sheets, key=lambda s: SHEET_ORDER.index(s.title)):
         sh = wb.create_sheet(sheet.title)
-        header_rows = {t.first for t in sheet.tables}
-        widths: dict[int, int] = {}
+        lay = layout.layout(sheet)
         for r, row in enumerate(sheet.rows, start=1):
             for c, cell in enumerate(row, start=1):
                 value = cell.formula if cell.formula is not None else cell.value
@@ -121,21 +121,22 @@ def write_xlsx(book: Book, path: Path) -> None:
                 xc = sh.cell(row=r, column=c, value=value)
                 if cell.fmt and (cell.formula is not None or isinstance(cell.value, int | float | date)):
                     xc.number_format = cell.fmt
-                if cell.bold or r in header_rows:
+                if cell.bold or r in lay.wrap_rows:
                     xc.font = bold
-                if r in header_rows and len(row) > 1:
+                if r in lay.wrap_rows:
                     xc.fill = header_fill
+                wrap = r in lay.wrap_rows or r in lay.prose_rows or c in sheet.wrap
+                if wrap or r in lay.heights:  # a row of several lines: every cell starts at its top
+                    xc.alignment = Alignment(wrap_text=wrap, vertical="top")
                 if cell.input:
                     xc.fill = input_fill
                     xc.comment = Comment(cell.note or "edit me", "switchyard")
-                shown = cell.value if cell.formula is None or not isinstance(cell.value, float) else 0.0
-                text = f"{shown:,.2f}" if isinstance(shown, float) else str(shown)
-                if len(row) > 1:  # one-cell rows are prose: let them overflow
-                    widths[c] = max(widths.get(c, 0), min(len(text) + 2, 60))
-        for c, w in widths.items():
-            sh.column_dimensions[get_column_letter(c)].width = sheet.widths.get(c, max(w, 10))
-        for c, w in sheet.widths.items():
+        for c, w in lay.widths.items():
             sh.column_dimensions[get_column_letter(c)].width = w
+        for r, h in lay.heights.items():
+            sh.row_dimensions[r].height = h
+        layout.merge_prose(sh, lay)
+        layout.print_setup(sh, sheet, lay)
         if sheet.freeze:
             sh.freeze_panes = sheet.freeze
     path.parent.mkdir(parents=True, exist_ok=True)

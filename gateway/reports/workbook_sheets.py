@@ -73,6 +73,7 @@ class Sheet:
     tables: list[Table] = field(default_factory=list)
     freeze: str | None = "A2"
     widths: dict[int, float] = field(default_factory=dict)
+    wrap: set[int] = field(default_factory=set)  # columns of prose: wrapped within their width, rows grow
 
     @property
     def next_row(self) -> int:
@@ -115,7 +116,7 @@ TRAFFIC_HEAD = ["day", "route", "backend", "cost basis", "requests", "prompt tok
 
 
 def traffic_sheet(rows: list[TrafficRow]) -> Sheet:
-    s = Sheet("Traffic", widths={1: 12, 2: 16, 3: 16, 4: 14})
+    s = Sheet("Traffic", widths={1: 12})
     first = s.header(TRAFFIC_HEAD)
     for r in rows:
         s.add([_c(_excel_day(r.day), fmt=DAY), r.route, r.backend, r.cost_basis, _c(r.requests, fmt=INT),
@@ -157,7 +158,7 @@ def prices_sheet(policy, api_rows, engines: list[EngineRow], price_table_version
     the policy version that served it (a backend priced differently by two versions gets a row for each)."""
     from gateway.pricing import device_count, device_hour_usd, device_kind
 
-    s = Sheet("Prices", widths={1: 16, 2: 26, 3: 14, 4: 14, 5: 14, 6: 30, 7: 40})
+    s = Sheet("Prices", widths={6: 24, 7: 40}, wrap={6, 7})
     cells = PriceCells()
     prices = dec.api_prices(policy)
     served = {a.name: a for a in traffic or []}
@@ -238,7 +239,7 @@ def _mtok_formula(price: str, tps: str, util: str) -> str:
 
 
 def in_house_sheet(engines: list[EngineRow], hours: list[HourRow], prices: PriceCells) -> tuple[Sheet, EngineCells]:
-    s = Sheet("In-house", widths={1: 16, 12: 16, 18: 16})
+    s = Sheet("In-house")
     out = EngineCells()
     first = s.header(ENGINE_HEAD)
     for e in engines:
@@ -317,7 +318,7 @@ def _sum(refs: list[str]) -> str:
 
 
 def decision_sheet(x: dec.DecisionInputs, prices: PriceCells, eng: EngineCells) -> tuple[Sheet, DecisionCells]:
-    s = Sheet("Decision", widths={1: 44, 2: 18, 3: 100})
+    s = Sheet("Decision", widths={3: 64}, wrap={3})
     out = DecisionCells()
     measured = x.utilisation
     u = measured if measured is not None else DEFAULT_UTILISATION
@@ -465,7 +466,7 @@ def decision_sheet(x: dec.DecisionInputs, prices: PriceCells, eng: EngineCells) 
 def ladder_sheet(bench: str | None, prices: PriceCells, d: DecisionCells) -> Sheet:
     from gateway.pricing import UTILISATION_FLOOR
 
-    s = Sheet("Ladder", widths={1: 44, 2: 12, 3: 12, 4: 12, 5: 16, 6: 22, 7: 60})
+    s = Sheet("Ladder", widths={7: 50}, wrap={7})
     from gateway.settings import PROJECT_ROOT
 
     path = bench or str(PROJECT_ROOT / "bench" / "results" / "cheaper_model.json")
@@ -504,7 +505,7 @@ def ladder_sheet(bench: str | None, prices: PriceCells, d: DecisionCells) -> She
 
 def notes_sheet(window_text: str, database: str, policy_source: str, summary: Summary, x: dec.DecisionInputs,
                 generated: datetime, definitions: list[str]) -> Sheet:
-    s = Sheet("Notes", widths={1: 28, 2: 120})
+    s = Sheet("Notes", widths={2: 100}, wrap={2})
     first = s.header(["item", "value"])
     s.add(["window", window_text])
     s.add(["generated (UTC)", generated.strftime("%Y-%m-%d %H:%M:%S")])
