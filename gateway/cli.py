@@ -142,7 +142,7 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
         c.add_argument("--policy", default=None,
                        help="policy YAML for prices. spreadsheet: a labelled what-if (default: each row by the policy "
                             "version that served it, as the gateway stored it); capacity, ladder: the engine's price "
-                            "(default: policies/default.yaml)")
+                            "(default: the newest policy stored in the ledger, else policies/default.yaml)")
 
     c = rsub.add_parser("spreadsheet", help="write the buy-versus-host workbook (or CSV files)",
                         description="Build a workbook with live formulas from the ledger: Traffic, Prices, "
@@ -163,11 +163,16 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
     target.add_argument("--target-tokens-per-s", type=float, default=None, metavar="N",
                         help="output tokens per second to serve")
     target.add_argument("--from-ledger", action="store_true", help="the ledger's busiest hour's token rate")
-    c.add_argument("--p95-ttft-ms", type=float, default=None, metavar="T", help="time-to-first-token p95 target")
+    c.add_argument("--p95-ttft-ms", type=float, default=None, metavar="T",
+                   help="time-to-first-token p95 target (default 2000 ms, interactive chat)")
     c.add_argument("--target-utilisation", type=float, default=0.6, metavar="U",
                    help="busy fraction to plan devices at (default 0.6)")
-    c.add_argument("--curve", default=None, metavar="FILE", help="throughput curve JSON (default: bench/results/)")
+    c.add_argument("--curve", default=None, metavar="FILE",
+                   help="throughput curve JSON (default: the packaged copy of bench/results/engine_curve.json)")
     c.add_argument("--backend", default=None, help="engine backend whose price to use (default: the first)")
+    c.add_argument("--device-hour-usd", type=float, default=None, metavar="USD",
+                   help="hourly price of one device of the machine the curve was measured on (default: from the "
+                        "policy: cpu_hour_usd for a CPU curve, gpu_hour_usd for a GPU curve)")
     c.add_argument("--json", action="store_true", help="print JSON instead of tables")
     window(c)
     c.set_defaults(func=_lazy("gateway.reports.capacity", "run"))
@@ -175,8 +180,13 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
     c = rsub.add_parser("ladder", help="$/Mtok at each optimisation that stacks",
                         description="One request at a time → continuous batching → prefix cache → quantization "
                                     "→ speculative decoding: $/Mtok at each rung, from the engine benchmarks.")
-    c.add_argument("--bench", default="bench/results/cheaper_model.json", metavar="FILE")
+    c.add_argument("--bench", default=None, metavar="FILE",
+                   help="engine benchmark JSON with a stack section (default: the packaged copy of "
+                        "bench/results/cheaper_model.json)")
     c.add_argument("--backend", default=None, help="engine backend whose price to use (default: the first)")
+    c.add_argument("--device-hour-usd", type=float, default=None, metavar="USD",
+                   help="hourly price of the machine the benchmark ran on (default: from the policy: "
+                        "cpu_hour_usd for a CPU benchmark, gpu_hour_usd for a GPU one)")
     c.add_argument("--utilisation", type=float, default=None, metavar="U",
                    help="utilisation to price at (default: measured from the ledger)")
     c.add_argument("--json", action="store_true", help="print JSON instead of a table")

@@ -53,15 +53,19 @@ def router_retrain(args: argparse.Namespace) -> int:
 
 def report_ladder(args: argparse.Namespace) -> int:
     """`switchyard report ladder`: the benchmark's rungs priced at the ledger's measured utilisation."""
-    from gateway import settings
+    from gateway import db, settings
     from gateway.reports import ladder
     from gateway.reports.figures import Ledger, ReportError, Window, window_caveat
+    from gateway.reports.report_policy import sqlite_file_missing
 
     measured = None
     if args.utilisation is None:
         try:
             window = Window.parse(args.since, args.until)
-            with Ledger.open(settings.database_url(args.database_url)) as ledger:
+            url = settings.database_url(args.database_url)
+            if sqlite_file_missing(url):  # opening it would leave an empty ledger file behind
+                raise ReportError(f"no ledger at {db.redact_url(url)}")
+            with Ledger.open(url) as ledger:
                 engines = [e for e in ledger.engines(window)
                            if e.has_uptime and (args.backend is None or e.backend == args.backend)]
                 short = window_caveat(ledger.summary(window)) if engines else None

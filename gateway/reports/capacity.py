@@ -9,8 +9,12 @@ the target; then
     request rate       = λ / mean completion tokens per request
     sequences in flight L = request rate × mean time in system        (Little's Law)
 
-and the monthly cost is devices × the policy's device-hour price × 730 h. The decode roofline floor
-(gateway/reports/roofline.py) is printed beside the plan.
+and the monthly cost is devices × the hourly price of the device the curve was measured on × 730 h
+(gateway/reports/machine_price.py: a CPU curve at a CPU host's price, never at a GPU's; the policy is
+`--policy`, else the one stored in the ledger, else the default: gateway/reports/report_policy.py). Without
+`--p95-ttft-ms` the target is DEFAULT_P95_TTFT_MS, an interactive chat's. The curves ship with the package
+(gateway/reports/bench_data.py). The decode roofline floor (gateway/reports/roofline.py) is printed beside the
+plan.
 
 Pure functions underneath `run(args, out)`: `load_curve`, `choose_point`, `plan_capacity`, `ledger_load`,
 `device_price`. The ledger is read with SQLAlchemy Core (sync) over the `cost_ledger` view.
@@ -27,17 +31,27 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from gateway.reports import roofline
+from gateway.reports.bench_data import (
+    CHEAPER_MODEL,
+    ENGINE_CURVE,
+    ENGINE_THROUGHPUT,
+    UNNAMED,
+    Machine,
+    describe,
+    machine_of,
+    missing_hint,
+)
 from gateway.reports.decision import EnginePrice, PriceError, engine_price
-from gateway.settings import PROJECT_ROOT
+from gateway.reports.machine_price import MachinePrice, MachinePriceError, machine_price
+from gateway.reports.report_policy import ReportPolicyError, report_policy
 
 HOURS_PER_MONTH = 730
-RESULTS = PROJECT_ROOT / "bench" / "results"
-ENGINE_CURVE = RESULTS / "engine_curve.json"
-CHEAPER_MODEL = RESULTS / "cheaper_model.json"
-ENGINE_THROUGHPUT = RESULTS / "engine_throughput.json"
-# Tried in order when --curve is not given: the first one that yields a curve is used.
+# Tried in order when --curve is not given (the packaged copies): the first one that yields a curve is used.
 DEFAULT_CURVE_FILES: tuple[Path, ...] = (ENGINE_CURVE, CHEAPER_MODEL, ENGINE_THROUGHPUT)
 DEFAULT_TARGET_UTILISATION = 0.6
+# Without --p95-ttft-ms: 2 s to the first token, about as long as a chat user waits before the answer feels
+# stalled. A throughput-only plan (batch work) passes a large --p95-ttft-ms.
+DEFAULT_P95_TTFT_MS = 2000.0
 
 
 class CapacityError(ValueError):
@@ -64,6 +78,11 @@ class Curve:
     tokens_per_request: float | None = None  # output tokens per request in the benchmark
     prompt_tokens: float | None = None  # prompt tokens per request in the benchmark
     notes: tuple[str, ...] = ()
+    machine: Machine = UNNAMED  # what it was measured on
+
+    @property
+    def has_ttft(self) -> bool:
+        return any(p.ttft_p95_ms is not None for p in self.points)
 
 
 def _little_time(concurrency: int, tokens: float, tok_s: float) -> float:
@@ -150,7 +169,7 @@ def parse_curve(data: Any, source: str = "<curve>") -> Curve:
                           key=lambda p: p.concurrency))
     if not points:
         raise CapacityError(f"{source}: the curve has no point with a positive throughput")
-    return Curve(points, curve.source, curve.tokens_per_request, curve.prompt_tokens, curve.notes)
+    return Curve(points, curve.source, curve.tokens_per_request, curve.prompt_tokens, curve.notes, machine_of(data))
 
 
 def load_curve(path: str | Path | None = None) -> Curve:
@@ -161,21 +180,21 @@ def load_curve(path: str | Path | None = None) -> Curve:
         try:
             data = json.loads(p.read_text())
         except OSError as e:
-            problems.append(f"{p}: {e.strerror or e}")
+            problems.append(f"{describe(p)}: {e.strerror or e}")
             continue
         except ValueError as e:
-            problems.append(f"{p}: not JSON ({e})")
+            problems.append(f"{describe(p)}: not JSON ({e})")
             continue
         try:
-            return parse_curve(data, str(p))
+            return parse_curve(data, describe(p))
         except CapacityError as e:
             problems.append(str(e))
-    hint = "" if path else " (run `python bench/engine_curve.py` to measure one)"
-    raise CapacityError("no throughput curve" + hint + ": " + "; ".join(problems))
+    raise CapacityError(f"no throughput curve: {'; '.join(problems)} ({missing_hint(candidates[0], '--curve')})")
 
 
 def choose_point(points: tuple[CurvePoint, ...] | list[CurvePoint], p95_ttft_ms: float | None = None) -> CurvePoint:
-    """The largest measured concurrency whose TTFT p95 meets the target (any point when there is none)."""
+    """The largest measured concurrency whose TTFT p95 meets the target (any point when there is none: the CLI
+    always has one, DEFAULT_P95_TTFT_MS when not given)."""
     if not points:
         raise CapacityError("the curve has no points")
     if p95_ttft_ms is None:
@@ -183,12 +202,13 @@ def choose_point(points: tuple[CurvePoint, ...] | list[CurvePoint], p95_ttft_ms:
     measured = [p for p in points if p.ttft_p95_ms is not None]
     if not measured:
         raise CapacityError(f"no curve point meets TTFT p95 <= {p95_ttft_ms:g} ms: the curve has no TTFT "
-                            "measurements (use bench/results/engine_curve.json, or drop --p95-ttft-ms)")
+                            "measurements (leave --curve out for the packaged engine_curve.json, which has them)")
     ok = [p for p in measured if p.ttft_p95_ms <= p95_ttft_ms]
     if not ok:
         best = min(measured, key=lambda p: p.ttft_p95_ms)
         raise CapacityError(f"no curve point meets TTFT p95 <= {p95_ttft_ms:g} ms: the best measured is "
-                            f"{best.ttft_p95_ms:.0f} ms at concurrency {best.concurrency}")
+                            f"{best.ttft_p95_ms:.0f} ms at concurrency {best.concurrency} (pass a larger "
+                            "--p95-ttft-ms)")
     return max(ok, key=lambda p: p.concurrency)
 
 
@@ -299,6 +319,11 @@ def ledger_load(url: str, since: str | datetime | None = None, until: str | date
                    column("backend", String), column("prompt_tokens", Integer),
                    column("completion_tokens", Integer))
     c = ledger.c
+    from gateway.reports.report_policy import sqlite_file_missing
+
+    if sqlite_file_missing(url):  # create_engine would leave an empty file behind
+        raise CapacityError(f"cannot read the ledger at {redact_url(url)}: no such file (pass --database-url URL, "
+                            "or --target-tokens-per-s N instead of --from-ledger)")
     db_engine = create_engine(sync_url(url))
     try:
         if db_engine.dialect.name == "postgresql":
@@ -365,7 +390,7 @@ def device_price(policy_path: str | Path | None = None, backend: str | None = No
 class CapacityReport:
     plan: CapacityPlan
     curve: Curve
-    price: DevicePrice
+    price: MachinePrice
     monthly_usd: float
     load: LedgerLoad | None
     roofline_rows: list[roofline.RooflineRow]
@@ -373,6 +398,20 @@ class CapacityReport:
     roofline_context: int
     roofline_source: str
     assumptions: list[str] = field(default_factory=list)
+    policy_label: str = ""
+    ttft_target_source: str = "given"  # "given", "default" or "none" (the curve measures no TTFT)
+    roofline_cpu: roofline.MeasuredCpu | None = None
+
+
+def _ttft_target(args: argparse.Namespace, curve: Curve) -> tuple[float | None, str]:
+    given = getattr(args, "p95_ttft_ms", None)
+    if given is not None:
+        if not given > 0:
+            raise CapacityError(f"--p95-ttft-ms must be a positive number of milliseconds, got {given:g}")
+        return float(given), "given"
+    if not curve.has_ttft:  # nothing to check the default against: plan at the largest concurrency, labelled
+        return None, "none"
+    return DEFAULT_P95_TTFT_MS, "default"
 
 
 def build_report(args: argparse.Namespace) -> CapacityReport:
@@ -383,10 +422,14 @@ def build_report(args: argparse.Namespace) -> CapacityReport:
     backend = getattr(args, "backend", None)
     util = getattr(args, "target_utilisation", None)
     util = DEFAULT_TARGET_UTILISATION if util is None else float(util)
-    ttft = getattr(args, "p95_ttft_ms", None)
     curve_file = getattr(args, "curve", None)
     curve = load_curve(curve_file)
-    price = device_price(getattr(args, "policy", None), backend)
+    ttft, ttft_source = _ttft_target(args, curve)
+    try:
+        rp = report_policy(getattr(args, "policy", None), getattr(args, "database_url", None))
+        price = machine_price(curve.machine, rp, backend, getattr(args, "device_hour_usd", None))
+    except (ReportPolicyError, MachinePriceError) as e:
+        raise CapacityError(str(e)) from None
     load = None
     if from_ledger:
         from gateway.settings import database_url
@@ -402,9 +445,9 @@ def build_report(args: argparse.Namespace) -> CapacityReport:
         bench_files.insert(0, Path(curve_file))
     shape = roofline.model_shape_from_bench(bench_files)
     accel = dict(roofline.ACCELERATORS)
-    cpu = roofline.cpu_read_bandwidth(bench_files)
+    cpu = roofline.measured_cpu(bench_files)
     if cpu is not None:
-        accel[roofline.CPU_LABEL] = cpu[0]
+        accel[cpu.label] = cpu.bytes_per_s
     if load is not None:
         context = round(load.mean_prompt_tokens + load.mean_completion_tokens)
         context_why = "the ledger's mean prompt + completion tokens"
@@ -416,7 +459,7 @@ def build_report(args: argparse.Namespace) -> CapacityReport:
     rows = (roofline.roofline_table(shape.param_count, context, shape.kv_values_per_position, accel)
             if shape else [])
 
-    a = [f"curve: {curve.source}"]
+    a = [f"curve: {curve.source}, measured on {curve.machine.name}"]
     a += [f"curve: {n}" for n in curve.notes]
     if curve.tokens_per_request:
         a.append(f"curve measured at {curve.tokens_per_request:g} output tokens per request"
@@ -433,27 +476,35 @@ def build_report(args: argparse.Namespace) -> CapacityReport:
     else:
         a.append(f"λ = {plan.target_tokens_per_s:g} output tokens/s (given)")
     a.append(f"target utilisation {util:g}: devices = ceil(λ / (tokens/s per device × {util:g}))")
-    a.append(f"TTFT p95 target: {ttft:g} ms" if ttft is not None
-             else "TTFT p95 target: none (largest measured concurrency)")
+    if ttft_source == "given":
+        a.append(f"TTFT p95 target: {ttft:g} ms (--p95-ttft-ms)")
+    elif ttft_source == "default":
+        a.append(f"TTFT p95 target: {ttft:g} ms, the default for interactive chat (--p95-ttft-ms to change it)")
+    else:
+        a.append(f"TTFT p95 target: none: the curve measures no TTFT, so the default {DEFAULT_P95_TTFT_MS:g} ms "
+                 "cannot be checked (largest measured concurrency)")
     a.append("Little's Law: sequences in flight = (λ / mean completion tokens) × mean time in system")
-    a.append(f"device price ${price.usd_per_hour:g}/h = {price.basis} ({price.policy}); "
-             f"a month = {HOURS_PER_MONTH} h")
+    a.append(f"device price ${price.usd_per_hour:g}/h per {price.device_word} ({curve.machine.name}) = "
+             f"{price.basis}; a month = {HOURS_PER_MONTH} h")
+    if price.gpu_note:
+        a.append(_gpu_note(price))
     if shape:
         a.append(f"roofline: {shape.param_count:,} parameters from {shape.source}; KV read at "
                  f"{context} tokens of context ({context_why})"
                  + ("" if shape.kv_values_per_position else "; KV shape unknown: KV read left out"))
         if cpu is not None:
-            a.append(f"roofline: {roofline.CPU_LABEL} at {cpu[0] / 1e9:.1f} GB/s measured read bandwidth, {cpu[1]}")
+            a.append(f"roofline: {cpu.label} at {cpu.bytes_per_s / 1e9:.1f} GB/s read bandwidth, {cpu.source}")
     a += [f"roofline: {x}" for x in roofline.ASSUMPTIONS]
     return CapacityReport(plan=plan, curve=curve, price=price, monthly_usd=monthly, load=load,
                           roofline_rows=rows, roofline_accelerators=accel, roofline_context=context,
-                          roofline_source=shape.source if shape else "", assumptions=a)
+                          roofline_source=shape.source if shape else "", assumptions=a, policy_label=rp.label,
+                          ttft_target_source=ttft_source, roofline_cpu=cpu)
 
 
 def report_json(r: CapacityReport) -> dict[str, Any]:
     p = r.plan
     return {"target_tokens_per_s": p.target_tokens_per_s, "target_utilisation": p.target_utilisation,
-            "p95_ttft_ms": p.p95_ttft_ms,
+            "p95_ttft_ms": p.p95_ttft_ms, "p95_ttft_ms_source": r.ttft_target_source,
             "operating_point": asdict(p.point),
             "tokens_per_s_per_device": p.point.output_tok_s,
             "mean_completion_tokens": p.mean_completion_tokens,
@@ -461,14 +512,23 @@ def report_json(r: CapacityReport) -> dict[str, Any]:
             "sequences_in_flight": p.sequences_in_flight, "sequences_per_device": p.sequences_per_device,
             "devices": p.devices, "achieved_utilisation": p.achieved_utilisation,
             "device_backend": r.price.backend, "device_hour_usd": r.price.usd_per_hour,
+            "device": {**r.curve.machine.as_json(), "price_basis": r.price.basis,
+                       "gpu_plan": _gpu_note(r.price) if r.price.gpu_note else None},
+            "pricing_policy": r.policy_label,
             "hours_per_month": HOURS_PER_MONTH, "monthly_usd": r.monthly_usd,
             "ledger": {**asdict(r.load), "window_note": r.load.window_note} if r.load else None,
-            "curve": {"source": r.curve.source, "tokens_per_request": r.curve.tokens_per_request,
+            "curve": {"source": r.curve.source, "machine": r.curve.machine.name,
+                      "tokens_per_request": r.curve.tokens_per_request,
                       "points": [asdict(x) for x in r.curve.points]},
             "roofline": {"context_tokens": r.roofline_context,
+                         "measured_cpu": None if r.roofline_cpu is None else asdict(r.roofline_cpu),
                          "bandwidth_bytes_per_s": r.roofline_accelerators,
                          "rows": roofline.as_json(r.roofline_rows)},
             "assumptions": r.assumptions}
+
+
+def _gpu_note(price: MachinePrice) -> str:
+    return f"GPU plan: none: {price.gpu_note}; the decode roofline floor is an estimate, not a plan"
 
 
 def _opt_ms(x: float | None) -> str:
@@ -485,7 +545,8 @@ def format_report(r: CapacityReport) -> str:
                   f"busiest hour {r.load.busiest_hour}:00 UTC: {r.load.output_tok_s:,.2f} output tok/s, "
                   f"{r.load.prompt_tok_s:,.2f} prompt tok/s; mean {r.load.mean_prompt_tokens:,.1f} prompt + "
                   f"{r.load.mean_completion_tokens:,.1f} completion tokens per request"), ""]
-    lines += ["| concurrency | output tok/s per device | TTFT p50 ms | TTFT p95 ms | time in system s | |",
+    lines += [f"curve measured on {r.curve.machine.name} ({r.curve.source})", "",
+              "| concurrency | output tok/s per device | TTFT p50 ms | TTFT p95 ms | time in system s | |",
               "| ---: | ---: | ---: | ---: | ---: | --- |"]
     for x in r.curve.points:
         mark = "chosen" if x == p.point else ""
@@ -493,6 +554,9 @@ def format_report(r: CapacityReport) -> str:
                      f"{_opt_ms(x.ttft_p95_ms)} | {x.mean_seconds_in_system:,.2f} | {mark} |")
     lines += ["",
               f"target λ                  {p.target_tokens_per_s:,.2f} output tokens/s",
+              "TTFT p95 target           " + (f"{p.p95_ttft_ms:,.0f} ms" if p.p95_ttft_ms is not None else "none")
+              + {"given": "", "default": " (default; --p95-ttft-ms to change)",
+                 "none": " (the curve measures no TTFT)"}[r.ttft_target_source],
               f"operating point           concurrency {p.point.concurrency}"
               + (f", TTFT p95 {p.point.ttft_p95_ms:,.0f} ms" if p.point.ttft_p95_ms is not None else ""),
               (f"tokens/s per device       {p.point.output_tok_s:,.1f} measured, "
@@ -502,12 +566,16 @@ def format_report(r: CapacityReport) -> str:
               f"time in system            {p.seconds_in_system:,.2f} s",
               (f"sequences in flight (L)   {p.sequences_in_flight:,.2f} total, {p.sequences_per_device:,.2f} "
               "per device"),
-              f"devices needed            {p.devices} (each at {p.achieved_utilisation:.0%} of measured throughput)",
+              (f"devices needed            {p.devices} × {r.curve.machine.name} (each at "
+               f"{p.achieved_utilisation:.0%} of measured throughput)"),
               (f"monthly device cost       ${r.monthly_usd:,.2f} ({p.devices} × ${r.price.usd_per_hour:g}/h "
-              f"× {HOURS_PER_MONTH} h, backend {r.price.backend})")]
+               f"× {HOURS_PER_MONTH} h per {r.price.device_word}: {r.price.basis})"),
+              f"prices from               {r.policy_label}"]
+    if r.price.gpu_note:
+        lines += ["", _gpu_note(r.price)]
     if r.roofline_rows:
-        lines += ["", (f"Decode roofline floor, ms per token for one sequence at {r.roofline_context} tokens of "
-                      "context (no engine goes faster):"), "",
+        lines += ["", (f"Decode roofline floor (an estimate from bandwidth, not a measurement), ms per token for "
+                      f"one sequence at {r.roofline_context} tokens of context (no engine goes faster):"), "",
                   roofline.format_table(r.roofline_rows, r.roofline_accelerators).rstrip()]
     lines += ["", "Assumptions:"] + [f"  - {x}" for x in r.assumptions]
     return "\n".join(lines) + "\n"

@@ -1,8 +1,10 @@
 """`switchyard report ladder`: what each stacked optimization does to $/Mtok.
 
-Reads the engine benchmark's stack (bench/results/cheaper_model.json, section `stack.rows`: one request at a
-time → + continuous batching → + prefix cache → + quantization → + speculative decoding) and prices every
-rung's measured output tokens/s at the policy's device-hour price (the whole engine):
+Reads the engine benchmark's stack (the packaged copy of bench/results/cheaper_model.json, or `--bench FILE`;
+section `stack.rows`: one request at a time → + continuous batching → + prefix cache → + quantization →
++ speculative decoding) and prices every rung's measured output tokens/s at the hourly price of the machine the
+benchmark ran on (gateway/reports/machine_price.py: a CPU benchmark at a CPU host's price, not a GPU's; the
+policy is `--policy`, else the one stored in the ledger, else the default: gateway/reports/report_policy.py):
 
     $/Mtok = device_hour_usd / (tok_s × 3600 × utilisation) × 1e6
 
@@ -20,10 +22,11 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from gateway.pricing import UTILISATION_FLOOR
-from gateway.reports.decision import PriceError, engine_price
-from gateway.settings import PROJECT_ROOT
+from gateway.reports.bench_data import CHEAPER_MODEL, Machine, describe, machine_of, missing_hint
+from gateway.reports.machine_price import MachinePriceError, machine_price
+from gateway.reports.report_policy import ReportPolicyError, report_policy
 
-DEFAULT_BENCH = PROJECT_ROOT / "bench" / "results" / "cheaper_model.json"
+DEFAULT_BENCH = CHEAPER_MODEL  # shipped with the package: the ladder works from any directory
 
 
 class LadderError(ValueError):
@@ -41,21 +44,26 @@ class LadderRung:
     note: str = ""
 
 
-def load_stack(path: str | Path | None = None) -> list[dict[str, Any]]:
-    """The `stack.rows` of an engine benchmark JSON (default bench/results/cheaper_model.json)."""
+def _load(path: str | Path | None) -> tuple[Path, Any]:
     p = Path(path) if path else DEFAULT_BENCH
     try:
-        data = json.loads(p.read_text())
+        return p, json.loads(p.read_text())
     except FileNotFoundError:
-        raise LadderError(f"{p}: no such file (run `python bench/cheaper_model.py --sections stack`)") from None
+        raise LadderError(f"{describe(p)}: no such file ({missing_hint(p, '--bench')})") from None
     except OSError as e:
-        raise LadderError(f"{p}: cannot read it ({e.strerror or e})") from None
+        raise LadderError(f"{describe(p)}: cannot read it ({e.strerror or e}; {missing_hint(p, '--bench')})") from None
     except ValueError as e:
-        raise LadderError(f"{p}: not JSON ({e})") from None
+        raise LadderError(f"{describe(p)}: not JSON ({e}; {missing_hint(p, '--bench')})") from None
+
+
+def load_stack(path: str | Path | None = None) -> list[dict[str, Any]]:
+    """The `stack.rows` of an engine benchmark JSON (default: the packaged cheaper_model.json)."""
+    p, data = _load(path)
     stack = data.get("stack") if isinstance(data, dict) else None
     rows = stack.get("rows") if isinstance(stack, dict) else None
     if not rows or not isinstance(rows, list):
-        raise LadderError(f"{p}: no stack section with rows (run `python bench/cheaper_model.py --sections stack`)")
+        raise LadderError(f"{describe(p)}: no stack section with rows (pass --bench with one, as "
+                          "bench/cheaper_model.py --sections stack writes, or leave --bench out)")
     for i, r in enumerate(rows):
         if not isinstance(r, dict) or "stage" not in r or not isinstance(r.get("tok_s"), int | float):
             raise LadderError(f"{p}: stack row {i} needs a `stage` and a numeric `tok_s`")
@@ -68,6 +76,11 @@ def load_stack_meta(path: str | Path | None = None) -> dict[str, Any]:
     load_stack(p)  # the same errors
     stack = json.loads(p.read_text())["stack"]
     return {k: v for k, v in stack.items() if k != "rows"}
+
+
+def bench_machine(path: str | Path | None = None) -> Machine:
+    """The machine the benchmark ran on (its meta names it)."""
+    return machine_of(_load(path)[1])
 
 
 def _usd_per_mtok(device_hour_usd: float, tok_s: float, utilisation: float) -> float:
@@ -142,21 +155,13 @@ def ladder_rows(stack_rows: list[dict[str, Any]], device_hour_usd: float,
     return rungs
 
 
-def _device_price(policy_path: str | Path | None, backend: str | None) -> tuple[float, str]:
-    """(USD per hour for the whole engine, where it came from)."""
-    try:
-        price = engine_price(policy_path, backend)
-    except PriceError as e:
-        raise LadderError(str(e)) from None
-    return price.usd_per_hour, f"{price.basis} in {price.policy}"
-
-
 def _x(v: float) -> str:
     return f"{v:.2f}×"
 
 
 def format_ladder(rungs: list[LadderRung], device_hour_usd: float, price_source: str,
-                  utilisation: float | None, meta: dict[str, Any], bench: str) -> str:
+                  utilisation: float | None, meta: dict[str, Any], bench: str, machine: Machine | None = None,
+                  notes: tuple[str, ...] = ()) -> str:
     measured = utilisation is not None
     head = "| rung | output tok/s | × previous | × first | $/Mtok @ 100% |"
     rule = "| --- | ---: | ---: | ---: | ---: |"
@@ -166,7 +171,10 @@ def format_ladder(rungs: list[LadderRung], device_hour_usd: float, price_source:
         rule += " ---: |"
     head += " note |"
     rule += " --- |"
-    lines = ["The ladder: optimizations that stack ($ per million output tokens)", "", head, rule]
+    lines = ["The ladder: optimizations that stack ($ per million output tokens)", ""]
+    if machine is not None:
+        lines += [f"measured on {machine.name}, priced at ${device_hour_usd:g}/h for it", ""]
+    lines += [head, rule]
     for r in rungs:
         cells = [r.rung, f"{r.tok_s:,.1f}", _x(r.speedup_vs_previous), _x(r.speedup_vs_first),
                  f"{r.usd_per_mtok_full:,.3f}"]
@@ -177,7 +185,8 @@ def format_ladder(rungs: list[LadderRung], device_hour_usd: float, price_source:
     a = [f"benchmark: {bench}" + (f" ({meta.get('requests')} requests, {meta.get('tokens')} greedy output tokens "
                                   f"each, a {meta.get('system_prompt_tokens')}-token shared system prompt)"
                                   if meta.get("requests") else ""),
-         f"device price ${device_hour_usd:g}/h for the whole engine: {price_source}",
+         (f"device price ${device_hour_usd:g}/h for the whole engine" + (f" ({machine.name})" if machine else "")
+          + f": {price_source}"),
          ("$/Mtok = device_hour_usd / (tok_s × 3600 × utilisation) × 1e6, output tokens only; tok/s is every "
          "output token over the whole workload's wall time (prefill included)")]
     if measured:
@@ -187,6 +196,7 @@ def format_ladder(rungs: list[LadderRung], device_hour_usd: float, price_source:
         a.append("measured utilisation unknown: only the 100% column is shown (pass --utilisation)")
     if meta.get("gpu_hour_usd") is not None and abs(float(meta["gpu_hour_usd"]) - device_hour_usd) > 1e-12:
         a.append(f"the benchmark priced its rows at ${float(meta['gpu_hour_usd']):g}/h; this table reprices them")
+    a += list(notes)
     lines += ["", "Assumptions:"] + [f"  - {x}" for x in a]
     return "\n".join(lines) + "\n"
 
@@ -202,16 +212,21 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
     try:
         rows = load_stack(bench)
         meta = load_stack_meta(bench)
-        price, source = _device_price(getattr(args, "policy", None), getattr(args, "backend", None))
-        rungs = ladder_rows(rows, price, util)
-    except LadderError as e:
+        machine = bench_machine(bench)
+        rp = report_policy(getattr(args, "policy", None), getattr(args, "database_url", None))
+        mp = machine_price(machine, rp, getattr(args, "backend", None), getattr(args, "device_hour_usd", None),
+                           bench_flag="--bench")
+        rungs = ladder_rows(rows, mp.usd_per_hour, util)
+    except (LadderError, ReportPolicyError, MachinePriceError) as e:
         print(f"ERROR: {e}", file=err)
         return 1
+    notes = (f"prices from {rp.label}",) + ((f"not priced as a GPU: {mp.gpu_note}",) if mp.gpu_note else ())
     if getattr(args, "json", False):
-        out.write(json.dumps({"bench": str(bench), "device_hour_usd": price, "price_source": source,
+        out.write(json.dumps({"bench": describe(bench), "device_hour_usd": mp.usd_per_hour, "price_source": mp.basis,
+                              "machine": machine.as_json(), "pricing_policy": rp.label, "gpu_note": mp.gpu_note,
                               "utilisation": util,
                               "utilisation_used": None if util is None else max(min(util, 1.0), UTILISATION_FLOOR),
                               "rungs": [asdict(r) for r in rungs]}, indent=2) + "\n")
     else:
-        out.write(format_ladder(rungs, price, source, util, meta, str(bench)))
+        out.write(format_ladder(rungs, mp.usd_per_hour, mp.basis, util, meta, describe(bench), machine, notes))
     return 0

@@ -36,7 +36,6 @@ ACCELERATORS: dict[str, float] = {
     "L4": 0.3e12,
     "A10G": 0.6e12,
 }
-CPU_LABEL = "this CPU"
 DEFAULT_CONTEXT_TOKENS = 1024
 
 ASSUMPTIONS = (
@@ -146,14 +145,32 @@ def model_shape_from_bench(paths: list[str | Path]) -> ModelShape | None:
     return ModelShape(param_count=params, kv_values_per_position=kv, source="; ".join(sources))
 
 
-def cpu_read_bandwidth(paths: list[str | Path]) -> tuple[float, str] | None:
-    """This machine's measured streaming-read bandwidth (bytes/s) from a bench JSON's meta.read_bandwidth."""
+@dataclass(frozen=True, slots=True)
+class MeasuredCpu:
+    """A CPU's measured streaming-read bandwidth, named after the machine the benchmark ran on."""
+
+    label: str  # the roofline column: "AMD EPYC (measured)"
+    bytes_per_s: float
+    source: str  # the file, the CPU's full name and the thread count
+
+
+def measured_cpu(paths: list[str | Path]) -> MeasuredCpu | None:
+    """The first bench JSON's meta.read_bandwidth, with the CPU it was measured on (meta.cpu)."""
     for p in map(Path, paths):
         data = _read_json(p)
-        bw = ((data or {}).get("meta") or {}).get("read_bandwidth") or {}
+        meta = (data or {}).get("meta") or {}
+        bw = meta.get("read_bandwidth") or {}
         if bw.get("gb_s"):
-            return float(bw["gb_s"]) * 1e9, f"{p} (meta.read_bandwidth, {bw.get('threads', '?')} threads)"
+            cpu = str(meta.get("cpu") or "CPU (model not recorded)")
+            return MeasuredCpu(f"{cpu} (measured)", float(bw["gb_s"]) * 1e9,
+                               f"{p} (meta.read_bandwidth on {cpu}, {bw.get('threads', '?')} threads)")
     return None
+
+
+def cpu_read_bandwidth(paths: list[str | Path]) -> tuple[float, str] | None:
+    """(bytes/s, where from) of measured_cpu: the benchmark machine's streaming-read bandwidth."""
+    cpu = measured_cpu(paths)
+    return None if cpu is None else (cpu.bytes_per_s, cpu.source)
 
 
 def roofline_table(param_count: float, context_tokens: int = DEFAULT_CONTEXT_TOKENS,
