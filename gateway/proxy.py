@@ -488,7 +488,8 @@ class _Relay:
                 device_seconds = self.services.pool.estimate_device_seconds(self.backend.name, usage)
                 estimated = device_seconds is not None
             _finish(self.services, call, self.backend.spec,
-                    Completion({}, usage, device_seconds, tally.utilisation), status=self.status,
+                    Completion({}, usage, device_seconds, tally.utilisation, device_kind=tally.device_kind),
+                    status=self.status,
                     error_type=self.error_type, answer=tally.text() if tally.parts else None,
                     device_seconds_estimated=estimated)
         finally:  # whatever failed above, the reservation goes back (a no-op once _finish settled it)
@@ -519,6 +520,13 @@ async def _close(chunks: AsyncIterator[dict]) -> None:
 
 
 # ---------------------------------------------------------------- accounting
+
+
+def _reported_kind(services: Services, spec: BackendSpec, completion: Completion) -> str | None:
+    """What an engine says it runs on: its answer's own word first, else its last scrape (None: API backends)."""
+    if spec.kind != "engine":
+        return None
+    return completion.device_kind or services.load.device_kind(spec.name)
 
 
 def _finish(services: Services, call: Call, spec: BackendSpec | None, completion: Completion | None, *,
@@ -569,7 +577,7 @@ def _charge(services: Services, call: Call, spec: BackendSpec, completion: Compl
         record.served_model = errors.clip(completion.body["model"], _STORED_CHARS)
     pricing.charge(record, spec, usage, completion.device_seconds, completion.utilisation, call.policy, call.route,
                    estimated=device_seconds_estimated,
-                   reported_kind=services.load.device_kind(spec.name) if spec.kind == "engine" else None)
+                   reported_kind=_reported_kind(services, spec, completion))
     if spec.kind == "engine" and completion.device_seconds is not None and status == "ok":
         services.pool.observe_device_seconds(spec.name, usage, completion.device_seconds)
     services.limiter.record_tokens(call.key, usage.prompt_tokens + usage.completion_tokens)

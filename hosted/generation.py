@@ -19,7 +19,7 @@ from typing import Any
 from hosted.async_llm_engine import Admission, AsyncLLMEngine, EngineDeadError
 from hosted.detokenizer import TextStream
 from hosted.engine import StepOutput
-from hosted.metrics import EngineMetrics
+from hosted.metrics import EngineMetrics, device_kind
 from hosted.request_plan import Plan, PromptJob
 from hosted.sampling_params import SamplingParams
 from hosted.tokenizer import Tokenizer
@@ -193,9 +193,12 @@ class Generation:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
-    def extension(self) -> dict[str, float]:
-        ext = {"device_seconds": round(sum(c.device_seconds for c in self.choices), 6),
-               "utilisation": round(self.engine.utilisation(), 6)}
+    def extension(self) -> dict[str, Any]:
+        ext: dict[str, Any] = {"device_seconds": round(sum(c.device_seconds for c in self.choices), 6),
+                               "utilisation": round(self.engine.utilisation(), 6)}
+        device = getattr(self.engine.engine, "device", None)
+        if device is not None:  # what this request ran on: the gateway prices the row by it, not by a scrape
+            ext["device_kind"] = device_kind(str(getattr(device, "type", device)))
         if self.engine.engine.config.spec_method is not None:
             ext["spec_proposed"] = sum(c.spec_proposed for c in self.choices)
             ext["spec_accepted"] = sum(c.spec_accepted for c in self.choices)

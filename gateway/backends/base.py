@@ -88,6 +88,7 @@ class Completion:
     device_seconds: float | None = None  # engine backends: device time spent on this request
     utilisation: float | None = None  # engine backends: the engine's measured busy fraction
     served_as: str | None = None  # "chat": a completions/Responses request sent as chat (backends/translate.py)
+    device_kind: str | None = None  # engine backends: "cpu" | "gpu", what the engine says served this request
 
 
 def usage_from_dict(usage: dict | None) -> Usage | None:
@@ -109,13 +110,18 @@ def usage_from_chunk(chunk: dict) -> Usage | None:
     return usage_from_dict(chunk.get("usage"))
 
 
-def engine_stats(body: dict) -> tuple[float | None, float | None]:
-    """(device_seconds, utilisation) from the engine's top-level "switchyard" extension object."""
+_DEVICE_KINDS = frozenset({"cpu", "gpu"})
+
+
+def engine_stats(body: dict) -> tuple[float | None, float | None, str | None]:
+    """(device_seconds, utilisation, device_kind) from the engine's top-level "switchyard" extension object.
+    A device kind other than cpu/gpu is ignored (the row then takes the scraped or the policy's kind)."""
     ext = body.get("switchyard")
     if not isinstance(ext, dict):
-        return None, None
-    ds, ut = ext.get("device_seconds"), ext.get("utilisation")
-    return (float(ds) if ds is not None else None, float(ut) if ut is not None else None)
+        return None, None, None
+    ds, ut, kind = ext.get("device_seconds"), ext.get("utilisation"), ext.get("device_kind")
+    return (float(ds) if ds is not None else None, float(ut) if ut is not None else None,
+            kind if kind in _DEVICE_KINDS else None)
 
 
 def requesting_usage(stream_options: object) -> dict:
@@ -131,7 +137,8 @@ class StreamTally:
     to one completion token per content-bearing chunk, which is what engines and OpenAI send.
     """
 
-    __slots__ = ("_usage", "chunks", "content_chunks", "device_seconds", "keep_text", "parts", "utilisation")
+    __slots__ = ("_usage", "chunks", "content_chunks", "device_kind", "device_seconds", "keep_text", "parts",
+                 "utilisation")
 
     def __init__(self, keep_text: bool = False):
         self._usage: Usage | None = None
@@ -139,6 +146,7 @@ class StreamTally:
         self.content_chunks = 0
         self.device_seconds: float | None = None
         self.utilisation: float | None = None
+        self.device_kind: str | None = None
         self.keep_text = keep_text
         self.parts: list[str] = []
 
@@ -157,7 +165,7 @@ class StreamTally:
         if usage:
             self._usage = usage_from_dict(usage)
         if chunk.get("switchyard"):
-            self.device_seconds, self.utilisation = engine_stats(chunk)
+            self.device_seconds, self.utilisation, self.device_kind = engine_stats(chunk)
 
     @property
     def complete_usage(self) -> bool:

@@ -94,7 +94,7 @@ class EngineBackend(Backend):
         if endpoint == "responses":
             done = await self.complete(responses_api.to_chat(payload), "chat")
             return Completion(responses_api.to_response(done.body, payload), done.usage, done.device_seconds,
-                              done.utilisation)
+                              done.utilisation, device_kind=done.device_kind)
         try:
             async with self._client().post(self._urls[endpoint], data=self._encode(payload, False),
                                            headers=self._headers, timeout=self._plain_timeout) as resp:
@@ -117,9 +117,10 @@ class EngineBackend(Backend):
         required = _REQUIRED_LIST.get(endpoint)
         if not isinstance(body, dict) or (required and not isinstance(body.get(required), list)):
             raise self._rejected(AnswerRejected("malformed", f"the answer is not a {endpoint} object"))
-        device_seconds, utilisation = engine_stats(body)
+        device_seconds, utilisation, kind = engine_stats(body)
         usage = usage_from_dict(body.get("usage"))
-        return Completion(body, usage if usage is not None else Usage(), device_seconds, utilisation)
+        return Completion(body, usage if usage is not None else Usage(), device_seconds, utilisation,
+                          device_kind=kind)
 
     def stream(self, payload: dict, endpoint: Endpoint) -> AsyncIterator[dict]:
         if endpoint == "responses":

@@ -184,7 +184,8 @@ async def _complete_as_chat(backend: Backend, payload: dict, endpoint: Endpoint)
             raise Untranslatable(backend, param)
         done = await backend.complete(completions_to_chat(payload), "chat")
         body = chat_to_completion(done.body)
-    return Completion(body, done.usage, done.device_seconds, done.utilisation, served_as=SERVED_AS)
+    return Completion(body, done.usage, done.device_seconds, done.utilisation, served_as=SERVED_AS,
+                      device_kind=done.device_kind)
 
 
 async def complete(backend: Backend, payload: dict, endpoint: Endpoint) -> Completion:

@@ -186,6 +186,7 @@ class LedgerWriter:
         self._enqueued = 0  # rows ever put in the queue
         self._handled = 0  # rows taken from the queue and made durable (DB, fsync'd spool) or given up on
         self._flush_target = 0
+        self._flush_probed = 0  # the flush target a database probe was last made for (see _write_or_spool)
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
 
         self._spool_lock = threading.Lock()  # the event loop (overflow) and a worker thread both append
@@ -439,6 +440,11 @@ class LedgerWriter:
         self._inflight = None  # not in a finally: if close() cancels us, it spools what is in flight
 
     async def _write_or_spool(self, batch: list[LedgerRecord]) -> None:
+        if not self._db_up and self._flush_target > self._flush_probed:
+            # Someone waits on flush(): ask the database now rather than at the backoff's end, so a blip
+            # that has passed (or a start-up probe that lost a race) does not send a flush to the spool.
+            self._flush_probed = self._flush_target
+            await self._probe()
         if self._db_up:
             rows = [r.to_row() for r in batch]
             try:
@@ -539,13 +545,16 @@ class LedgerWriter:
                 log.critical("ledger row lost: %s", _loggable(values) if isinstance(values, dict) else values)
 
     async def _probe(self) -> bool:
+        """Does the database answer? Marks it up or down (a failure's reason goes to the outage log line)."""
         assert self._engine is not None
         try:
             async with self._engine.connect() as conn:
                 await conn.execute(text("SELECT 1"))
-            return True
-        except Exception:  # noqa: BLE001 - any failure means "still down"
+        except Exception as exc:  # noqa: BLE001 - any failure means "still down"
+            self._mark_down(_Outage(f"probe failed: {type(exc).__name__}: {_first_line(exc)}"))
             return False
+        self._mark_up()
+        return True
 
     # ---- spool --------------------------------------------------------------------------------
 
@@ -710,10 +719,7 @@ class LedgerWriter:
             return
         if not self._spool_pending:
             if not self._db_up or probe:  # probe: learn at start whether the database answers
-                if await self._probe():
-                    self._mark_up()
-                else:
-                    self._mark_down(_Outage("probe failed"))
+                await self._probe()
             return
         if self._db_up and not force and (len(self._queue) >= self.batch_size or time.monotonic() < self._replay_at):
             return  # busy: live rows first, the spool when there is slack (or its disk fails: later)
@@ -724,10 +730,7 @@ class LedgerWriter:
         except OSError as exc:  # the spool's files: unreadable, or the lock not ours; try again later
             self._spool_failed(exc, "replay postponed")
             self._replay_at = time.monotonic() + self.retry_max_s
-            if await self._probe():  # live rows need not wait for the spool's disk
-                self._mark_up()
-            else:
-                self._mark_down(_Outage("probe failed"))
+            await self._probe()  # live rows need not wait for the spool's disk
         else:
             self._mark_up()
 

@@ -203,7 +203,7 @@ class ShadowRunner:
         record.latency_ms = (time.perf_counter() - started) * 1000
         record.served_model = completion.body.get("model") or spec.model
         pricing.charge(record, spec, completion.usage, completion.device_seconds, completion.utilisation,
-                       ticket.policy, ticket.route)
+                       ticket.policy, ticket.route, reported_kind=completion.device_kind)
         self.ledger.submit(record)
         return answer_text(completion.body)
 

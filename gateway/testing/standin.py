@@ -67,6 +67,7 @@ class StandinOptions:
     default_max_tokens: int = 16
     device_seconds_per_token: float = 0.001  # engine extension: (prompt + completion) × this
     utilisation: float = 0.5  # engine extension
+    device_kind: str | None = None  # engine extension: "cpu" | "gpu" (what served the request), omitted if None
     # Malformed answers (the upstream is not trusted): the next `fault_next` completion requests get `fault`:
     #   not_json   a 200 whose body is not JSON (an HTML error page), for plain and streamed requests alike
     #   not_sse    streams: a 200 text/html body, no SSE at all (plain requests: as not_json)
@@ -241,6 +242,8 @@ class _Request:
                       "prompt_tokens_details": {"cached_tokens": min(opts.cached_tokens, self.prompt)}}
         self.ext = ({"device_seconds": (self.prompt + completion) * opts.device_seconds_per_token,
                      "utilisation": opts.utilisation} if opts.engine_extension else None)
+        if self.ext is not None and opts.device_kind is not None:
+            self.ext["device_kind"] = opts.device_kind
         self.rid = f"{'chatcmpl' if chat else 'cmpl'}-standin-{state.seq}"
         self.created = int(time.time())
         self.stream = bool(payload.get("stream"))

@@ -171,3 +171,26 @@ def test_engine_rows_carry_a_stable_cost_and_the_engine_device_kind(tmp_path):
     assert line.startswith(f"chargeback local (cpu): ${2 * list_rate:,.4f} at the list rate")
     assert f"${rows[0]['cost_usd'] + rows[1]['cost_usd']:,.4f} utilisation-amortised" in line
     assert "not charged at list rate (idle and unattributed work), shared out by device seconds" in line
+
+
+def test_each_row_takes_the_device_kind_the_engine_answered_with_before_any_scrape(tmp_path, monkeypatch):
+    """CI found the first rows of a freshly started engine priced as `gpu` (the policy's price field): the
+    gateway only knew the device kind from a /metrics scrape that had not happened yet. The engine now says
+    what served each request in its answer (plain and streamed); the stand-in here has no device in /metrics,
+    so only the answer can tell."""
+    from gateway.testing.standin import run_standin
+
+    monkeypatch.setenv("STANDIN_API_KEY", "sk-standin")
+    with run_standin(engine_extension=True, device_kind="cpu") as base_url:
+        port = int(base_url.rsplit(":", 1)[1].split("/")[0])
+        with run_gateway(POLICY.format(port=port), tmp_path) as gw:
+            assert gw.gw.routing.load.device_kind("local") is None  # nothing scraped says cpu
+            client = openai.OpenAI(base_url=gw.base_url, api_key=MASTER_KEY, max_retries=0)
+            messages = [{"role": "user", "content": "hi"}]
+            client.chat.completions.create(model="chat", messages=messages, max_tokens=3)
+            list(client.chat.completions.create(model="chat", messages=messages, max_tokens=3, stream=True))
+            client.completions.create(model="chat", prompt="hi", max_tokens=3)
+            gw.call(gw.gw.services.ledger.flush)
+            url = gw.config.database_url
+    rows = _rows(url, "SELECT device_kind, device_hour_usd FROM cost_ledger ORDER BY created_at")
+    assert rows == [{"device_kind": "cpu", "device_hour_usd": HOUR_USD}] * 3

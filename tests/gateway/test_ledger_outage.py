@@ -194,3 +194,30 @@ async def test_one_writer_per_spool(sqlite_url: str, tmp_path) -> None:
     await first.close()
     await second.start()  # free again once the first has closed
     await second.close()
+
+
+async def test_flush_asks_the_database_again_instead_of_waiting_out_the_backoff(pg_url: str, tmp_path) -> None:
+    """CI: a start-up probe that failed once sent every row of a test to the spool, and flush() returned with
+    nothing in the database although it answered again (the next probe was a backoff away). A flush now
+    asks the database at once; its rows land there, the spool stays empty. The probe's reason is logged."""
+    upgrade(pg_url)
+    proxy = await _proxy_to(pg_url)
+    await proxy.cut()
+    writer = LedgerWriter(proxy.url_for(pg_url), tmp_path / "spool.jsonl", retry_initial_s=60, retry_max_s=60)
+    await writer.start()
+    for _ in range(100):  # the start-up probe runs in the writer's task
+        if not writer.db_available:
+            break
+        await asyncio.sleep(0.05)
+    assert not writer.db_available  # the start-up probe failed: the next try is a minute away
+    await proxy.restore()
+    records = [make_record(i, prefix="flush") for i in range(5)]
+    for record in records:
+        writer.submit(record)
+    await writer.flush()
+    try:
+        assert writer.db_available and writer.stats.spooled == 0
+        assert request_id_counts(pg_url) == {r.request_id: 1 for r in records}
+    finally:
+        await writer.close()
+        await proxy.cut()

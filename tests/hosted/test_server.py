@@ -93,6 +93,7 @@ def test_chat_greedy_matches_transformers_and_streams_the_same_text(client, toke
     assert resp.usage.total_tokens == len(prompt_ids) + 20
     ext = resp.model_extra["switchyard"]
     assert ext["device_seconds"] > 0 and 0 <= ext["utilisation"] <= 1
+    assert ext["device_kind"] == "cpu"  # each answer says what served it (the gateway prices the row by it)
 
     chunks = list(client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=20,
                                                  stream=True, stream_options={"include_usage": True},
