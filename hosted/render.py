@@ -2,7 +2,7 @@
 one, and logprobs in the chat and completions shapes (clamped: JSON has no -inf).
 
 Every response carries OpenAI `usage` (with `prompt_tokens_details.cached_tokens` from the prefix cache) and
-the extension `"switchyard": {"device_seconds", "utilisation"}`; when streaming, both ride on the final chunk
+the extension `"switchyard": {"device_seconds", "utilisation", "device_kind"}`; when streaming, both ride on the final chunk
 (the usage chunk if `stream_options.include_usage`, else the last choice's finish chunk).
 """
 from __future__ import annotations
