@@ -459,3 +459,12 @@ def test_bad_since_and_unreachable_database_exit_1(tmp_path, capsys):
     assert _spreadsheet(tmp_path / "b.xlsx", url, "--policy", str(tmp_path / "nope.yaml")) == 1
     assert "cannot read file" in capsys.readouterr().err
     assert not (tmp_path / "b.xlsx").exists()
+
+
+def test_a_missing_sqlite_ledger_is_an_error_and_stays_missing(tmp_path, capsys):
+    # connecting used to create an empty file there, which the next command then read as an empty ledger
+    missing = tmp_path / "typo.db"
+    assert _spreadsheet(tmp_path / "b.xlsx", f"sqlite:///{missing}") == 1
+    err = capsys.readouterr().err
+    assert f"cannot read the ledger at sqlite:///{missing}: no such file" in err and "--database-url" in err
+    assert not missing.exists() and not (tmp_path / "b.xlsx").exists()
