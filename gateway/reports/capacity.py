@@ -16,8 +16,8 @@ and the monthly cost is devices × the hourly price of the device the curve was 
 (gateway/reports/bench_data.py). The decode roofline floor (gateway/reports/roofline.py) is printed beside the
 plan.
 
-Pure functions underneath `run(args, out)`: `load_curve`, `choose_point`, `plan_capacity`, `ledger_load`,
-`device_price`. The ledger is read with SQLAlchemy Core (sync) over the `cost_ledger` view.
+Pure functions underneath `run(args, out)`: `load_curve`, `choose_point`, `plan_capacity`, `ledger_load`;
+the price is machine_price.machine_price's. The ledger is read with SQLAlchemy Core (sync) over the `cost_ledger` view.
 """
 from __future__ import annotations
 
@@ -41,7 +41,6 @@ from gateway.reports.bench_data import (
     machine_of,
     missing_hint,
 )
-from gateway.reports.decision import EnginePrice, PriceError, engine_price
 from gateway.reports.machine_price import MachinePrice, MachinePriceError, machine_price
 from gateway.reports.report_policy import ReportPolicyError, report_policy
 
@@ -367,20 +366,6 @@ def ledger_load(url: str, since: str | datetime | None = None, until: str | date
     return LedgerLoad(requests=requests, busiest_hour=hour_, busiest_hour_requests=n, output_tok_s=k / 3600,
                       prompt_tok_s=p / 3600, mean_prompt_tokens=sum(r[2] for r in rows) / requests,
                       mean_completion_tokens=completion / requests, hours_with_traffic=len(rows), span_hours=span)
-
-
-# ---------------------------------------------------------------------------------------------- the price
-
-
-DevicePrice = EnginePrice  # the engine's hourly price, as decision.engine_price works it out
-
-
-def device_price(policy_path: str | Path | None = None, backend: str | None = None) -> DevicePrice:
-    """The named engine backend's hourly price, else the policy's first engine's (CapacityError if none)."""
-    try:
-        return engine_price(policy_path, backend)
-    except PriceError as e:
-        raise CapacityError(str(e)) from None
 
 
 # ---------------------------------------------------------------------------------------------- the report
