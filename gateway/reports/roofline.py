@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gateway.reports.bench_data import describe
+
 SCALE_BLOCK = 32  # values sharing one scale in the quantized formats
 SCALE_BYTES = 2  # an fp16 scale
 BYTES_PER_PARAM: dict[str, float] = {
@@ -129,10 +131,10 @@ def model_shape_from_bench(paths: list[str | Path]) -> ModelShape | None:
         model = data.get("model") or {}
         if params is None and fp32.get("param_bytes"):
             params = int(fp32["param_bytes"]) // 4
-            sources.append(f"{p} (runs.fp32.param_bytes / 4)")
+            sources.append(f"{describe(p)} (runs.fp32.param_bytes / 4)")
         elif params is None and model.get("parameters"):
             params = int(model["parameters"])
-            sources.append(f"{p} (model.parameters)")
+            sources.append(f"{describe(p)} (model.parameters)")
         if not kv and model.get("num_hidden_layers") and model.get("num_attention_heads"):
             heads = int(model["num_attention_heads"])
             head_dim = int(model.get("head_dim") or int(model["hidden_size"]) // heads)
@@ -163,7 +165,7 @@ def measured_cpu(paths: list[str | Path]) -> MeasuredCpu | None:
         if bw.get("gb_s"):
             cpu = str(meta.get("cpu") or "CPU (model not recorded)")
             return MeasuredCpu(f"{cpu} (measured)", float(bw["gb_s"]) * 1e9,
-                               f"{p} (meta.read_bandwidth on {cpu}, {bw.get('threads', '?')} threads)")
+                               f"{describe(p)} (meta.read_bandwidth on {cpu}, {bw.get('threads', '?')} threads)")
     return None
 
 
