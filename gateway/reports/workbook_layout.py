@@ -3,8 +3,9 @@ sheet's print setup (fit to the page width, landscape where wide, header rows re
 the sheet name and page number in the header and footer).
 
 Without a print setup the workbook printed (or exported to PDF) as 28 pages with columns split across pages.
-Widths are measured in Excel's unit (the width of a '0' in the default font, about 5.25 pt); row heights in
-points. Text lengths stand in for rendered widths, rounded up so that wrapped text is never clipped.
+Widths are measured in Excel's unit (the width of a '0' in the default font: about 5.25 pt in Calibri, about
+7 pt where LibreOffice lacks Calibri's metrics); row heights in points. Text lengths stand in for rendered
+widths, rounded up so that wrapped text is never clipped.
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ MIN_WIDTH = 8
 MAX_WIDTH = 60
 NUMBER_HEADROOM = 3  # an edited input can make a figure longer than the one written: no '###' when printed
 LINE_PT = 15.0  # one line of 11 pt text
-PORTRAIT_MAX_WIDTH = 95  # wider than a portrait page's printable width (at 100%): print landscape
+PROSE_WIDTH = 72  # a paragraph's column, when nothing else sets one
+PORTRAIT_MAX_WIDTH = 75  # wider than a portrait page holds at 100% (LibreOffice without Calibri: ~7 pt a unit)
 MARGINS_IN = {"left": 0.5, "right": 0.5, "top": 0.75, "bottom": 0.75, "header": 0.3, "footer": 0.3}
 TITLE = "Switchyard buy versus host"
 HEADER_CENTER = "&A"  # the sheet's name
@@ -92,6 +94,9 @@ def layout(sheet: ws.Sheet) -> Layout:
                 need = len(text) + 2 + (NUMBER_HEADROOM if isinstance(cell.value, int | float) else 0)
             out.widths[c] = max(out.widths.get(c, MIN_WIDTH), min(need, MAX_WIDTH))
     out.widths.update(sheet.widths)
+    prose = max((len(shown(sheet.rows[r - 1][0])) + 2 for r in out.prose_rows), default=0)
+    if out.columns == 1 and prose:  # a sheet of prose alone (a Ladder that could not be built): a readable width
+        out.widths[1] = max(out.widths.get(1, MIN_WIDTH), min(prose, PROSE_WIDTH))
     for r, row in enumerate(sheet.rows, start=1):
         if r in out.prose_rows:
             lines = wrapped_lines(shown(row[0]), out.total_width)

@@ -72,8 +72,11 @@ def _header_rows(ws) -> list[list[str]]:
     return out
 
 
-def _title_row(ws) -> int:
-    """The row repeated at the top of each printed page ('$5:$5')."""
+def _title_row(ws) -> int | None:
+    """The row repeated at the top of each printed page ('$5:$5'); None for a sheet without a table header."""
+    if not _header_rows(ws):
+        assert ws.print_title_rows is None, ws.title
+        return None
     assert ws.print_title_rows, f"{ws.title}: no header row repeated on each page"
     first, last = ws.print_title_rows.replace("$", "").split(":")
     assert first == last
@@ -86,15 +89,16 @@ def _words(labels: list[str]) -> set[str]:
 
 @pytest.fixture(scope="module")
 def printed(tmp_path_factory):
-    """A three-day ledger (every sheet short) and a forty-day one (Traffic and In-house run onto more pages)."""
+    """A three-day ledger (every sheet short), a forty-day one (Traffic and In-house run onto more pages) and an
+    empty one without a benchmark (the Ladder sheet is one paragraph saying why)."""
     tmp = tmp_path_factory.mktemp("print")
     bench = tmp / "stack.json"
     bench.write_text(json.dumps(STACK))
     books = {}
-    for name, days in (("short", 3), ("long", 40)):
-        url = _seed(tmp / f"{name}.db", *_main_rows(days=days))
+    for name, days in (("short", 3), ("long", 40), ("empty", 0)):
+        url = _seed(tmp / f"{name}.db", *(_main_rows(days=days) if days else ([], [])))
         books[name] = tmp / f"{name}.xlsx"
-        assert _spreadsheet(books[name], url, "--bench", str(bench)) == 0
+        assert _spreadsheet(books[name], url, "--bench", str(bench if days else tmp / "missing.json")) == 0
     pdfs = _pdf(list(books.values()), tmp) if SOFFICE and PDFTOTEXT else {}
     return {name: (openpyxl.load_workbook(f), _pages(pdfs[f]) if pdfs else []) for name, f in books.items()}
 
@@ -107,7 +111,7 @@ def test_every_sheet_has_a_print_setup(printed):
             assert (ws.page_setup.fitToWidth, ws.page_setup.fitToHeight) == (1, 0), where
             assert ws.print_area == f"'{ws.title}'!$A$1:${get_column_letter(ws.max_column)}${ws.max_row}", where
             title = _title_row(ws)
-            assert [c.value for c in ws[title] if c.value] in _header_rows(ws), where
+            assert title is None or [c.value for c in ws[title] if c.value] in _header_rows(ws), where
             assert "&A" in ws.oddHeader.center.text and "&P" in ws.oddFooter.center.text, where
             assert max(ws.page_margins.left, ws.page_margins.right) <= 0.75, where
             assert ws.page_setup.orientation in ("portrait", "landscape"), where
@@ -115,7 +119,7 @@ def test_every_sheet_has_a_print_setup(printed):
 
 
 @needs_tools
-@pytest.mark.parametrize("name", ["short", "long"])
+@pytest.mark.parametrize("name", ["short", "long", "empty"])
 def test_printed_pages_name_their_sheet_and_never_split_columns(printed, name):
     wb, pages = printed[name]
     sheets = _by_sheet(pages)
@@ -123,7 +127,7 @@ def test_printed_pages_name_their_sheet_and_never_split_columns(printed, name):
     for title, sheet_pages in sheets.items():
         ws = wb[title]
         title_row = _title_row(ws)
-        repeated = _words([c.value for c in ws[title_row] if c.value])
+        repeated = _words([c.value for c in ws[title_row] if c.value]) if title_row else set()
         headers = _header_rows(ws)
         for i, page in enumerate(sheet_pages, start=1):
             words = set(page.split())
@@ -163,3 +167,19 @@ def test_a_long_sheet_repeats_its_header_on_every_page(printed):
             assert first in page, (title, first)
     # In-house: the repeated row is the hourly table's (its longest), not the one-row engine table's
     assert wb["In-house"].cell(row=_title_row(wb["In-house"]), column=1).value == "hour (UTC)"
+
+
+@needs_tools
+@pytest.mark.parametrize("name", ["short", "empty"])
+def test_no_text_is_cut_off_at_the_page_edge(printed, name):
+    """Every word the sheets hold (labels, notes, the definitions) is printed whole: wrapped text stays inside
+    its column and the column inside the page."""
+    wb, pages = printed[name]
+    sheets = _by_sheet(pages)
+    for ws in wb:
+        printed_words = {w for page in sheets[ws.title] for w in page.split()}
+        for row in ws.iter_rows():
+            for c in row:
+                if isinstance(c.value, str) and not c.value.startswith("="):
+                    lost = set(c.value.split()) - printed_words
+                    assert not lost, (ws.title, c.coordinate, sorted(lost))
