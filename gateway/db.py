@@ -153,6 +153,24 @@ def upgrade(url: str, revision: str = "head") -> None:
 
     ensure_sqlite_dir(url)
     command.upgrade(alembic_config(url), revision)
+    if is_sqlite(url):
+        _set_wal(url)
+
+
+def _set_wal(url: str) -> None:
+    """Put a SQLite file in WAL mode once, here, before the gateway's writers open it: WAL is kept in the file,
+    and several writers connecting at start-up would otherwise each try to switch the journal mode, which needs
+    the file to themselves (under load one could fail with "database is locked": a false ledger outage)."""
+    import sqlite3
+
+    database = make_url(sync_url(url)).database
+    if not database or database == ":memory:" or database.startswith("file:"):
+        return
+    conn = sqlite3.connect(database, timeout=SQLITE_BUSY_TIMEOUT_MS / 1000)
+    try:
+        conn.execute("PRAGMA journal_mode=WAL")
+    finally:
+        conn.close()
 
 
 def current_revision(url: str) -> str | None:

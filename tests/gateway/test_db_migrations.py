@@ -136,3 +136,20 @@ def test_switchyard_db_upgrade_from_another_cwd(tmp_path: Path) -> None:
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
     assert db.current_revision(url) == db.head_revision()
+
+
+def test_a_migrated_sqlite_file_is_already_in_wal_mode(tmp_path):
+    """CI: a ledger writer's start-up probe failed on a fresh SQLite file (a false outage that sent a test's rows
+    to the spool): the gateway's writers each switched the file to WAL as they first connected, a switch that
+    needs the file to itself. Migrating now leaves the file in WAL mode, before any writer opens it."""
+    import sqlite3
+
+    from gateway import db
+
+    path = tmp_path / "ledger.db"
+    db.upgrade(f"sqlite:///{path}")
+    conn = sqlite3.connect(path)
+    try:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    finally:
+        conn.close()
