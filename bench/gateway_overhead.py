@@ -6,13 +6,20 @@ One run, one machine, four targets on the same stand-in OpenAI upstream (127.0.0
   pinned dependencies cannot disturb ours). Ledger logging is on (SQLite) for the gateway.
 
     python bench/gateway_overhead.py [--quick] [--litellm-venv .venv-bench]
+    python bench/gateway_overhead.py --render-docs   # only rewrite docs/benchmarks.md's table from the JSON
 
-Prints a table and writes bench/results/gateway_overhead.json.
+Prints a table and writes bench/results/gateway_overhead.json. The gateway runs with
+SWITCHYARD_STAGE_PROFILE=1 (gateway/stage_profile.py): for each gateway target the concurrency-1 run's
+per-stage times (auth, body, route, reserve, admit, send, upstream, dispatch, finish, respond) are printed
+and saved beside the latencies, so a missed target says where the time goes. The run is compared with the
+previous JSON when it came from the same machine (CPU model and count): how far each path moved. The
+table in docs/benchmarks.md between the `gateway-overhead` markers is written from the JSON, never typed.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -34,6 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # packages that are not published there); close to the gateway's own litellm.
 LITELLM_PROXY_VERSION = "1.108.0"
 KEY = "sk-bench"
+DEFAULT_OUT = ROOT / "bench" / "results" / "gateway_overhead.json"
 BODY = json.dumps({"model": "MODEL", "messages": [{"role": "user", "content": "Say something short please"}],
                    "max_tokens": 16})
 
@@ -70,18 +78,113 @@ def stop(process: subprocess.Popen) -> None:
             os.killpg(process.pid, signal.SIGKILL)
 
 
-def measure(url: str, model: str, args: argparse.Namespace) -> dict:
+def stage_profile(gateway_root: str, reset: bool) -> dict:
+    """The gateway's per-route stage summary (GET /admin/stage-profile), cleared after reading if `reset`."""
+    response = httpx.get(f"{gateway_root}/admin/stage-profile", params={"reset": "1" if reset else "0"},
+                         headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    response.raise_for_status()
+    return response.json()
+
+
+def measure(url: str, model: str, args: argparse.Namespace, gateway_root: str | None = None) -> dict:
     body = BODY.replace("MODEL", model).encode()
     headers = {"Authorization": f"Bearer {KEY}"}
+    if gateway_root:
+        stage_profile(gateway_root, reset=True)  # warm-ups and earlier targets are not in this target's stages
     latency: LoadResult = asyncio.run(run_load(url, body, headers, concurrency=1, requests=args.latency_requests,
                                                warmup=50))
+    stages = stage_profile(gateway_root, reset=True).get(model) if gateway_root else None
     peak = {}
     for concurrency in args.concurrency:
         result = asyncio.run(run_load(url, body, headers, concurrency=concurrency, seconds=args.seconds,
                                       warmup=20))
         peak[concurrency] = {"rps": result.rps, "errors": result.errors, "p50_ms": result.p50}
-    return {"p50_ms": latency.p50, "p99_ms": latency.percentile(99), "latency_errors": latency.errors,
-            "throughput": peak, "peak_rps": max(v["rps"] for v in peak.values())}
+    result = {"p50_ms": latency.p50, "p99_ms": latency.percentile(99), "latency_errors": latency.errors,
+              "throughput": peak, "peak_rps": max(v["rps"] for v in peak.values())}
+    if stages:
+        result["stages_us"] = stages["stages_us"]  # concurrency 1, warm-up included (50 of the requests)
+    return result
+
+
+def machine() -> dict:
+    model = platform.processor() or ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return {"cpus": os.cpu_count(), "cpu_model": model, "platform": platform.platform()}
+
+
+STAGE_ORDER = ["edge", "auth", "body", "route", "reserve", "admit", "send", "upstream", "dispatch", "finish",
+               "respond", "overhead"]
+
+
+def stage_table(results: dict) -> list[str]:
+    """Per-stage p50 (µs) of each gateway target at concurrency 1."""
+    profiled = {name: r["stages_us"] for name, r in results.items() if r.get("stages_us")}
+    if not profiled:
+        return []
+    stages = [s for s in STAGE_ORDER if any(s in st for st in profiled.values())]
+    lines = ["| stage p50 µs | " + " | ".join(profiled) + " |", "|---|" + "---:|" * len(profiled)]
+    for stage in stages:
+        cells = [f"{st[stage]['p50']:.0f}" if stage in st else "" for st in profiled.values()]
+        lines.append(f"| {stage} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def drift(previous: dict | None, current: dict) -> list[str]:
+    """How far each path's overhead moved since the last run on the same machine (empty: no comparable run)."""
+    if not previous or previous.get("machine", {}).get("cpu_model") != current["machine"]["cpu_model"] \
+            or previous.get("machine", {}).get("cpus") != current["machine"]["cpus"]:
+        return []
+    lines = [(f"| vs previous run ({previous.get('finished_at', 'undated')}) | overhead p50 ms then → now | "
+             "peak RPS then → now |"), "|---|---:|---:|"]
+    for name, now in current["results"].items():
+        then = previous.get("results", {}).get(name)
+        if then is None or name == "upstream direct":
+            continue
+        lines.append(f"| {name} | {then['overhead_p50_ms']:.2f} → {now['overhead_p50_ms']:.2f} "
+                     f"({now['overhead_p50_ms'] - then['overhead_p50_ms']:+.2f}) | "
+                     f"{then['peak_rps']:.0f} → {now['peak_rps']:.0f} ({now['peak_rps'] / then['peak_rps'] - 1:+.0%}) |")
+    return lines
+
+
+def headline_table(payload: dict) -> list[str]:
+    results = payload["results"]
+    proxy = results.get("LiteLLM proxy")
+    lines = ["| target | p50 ms | p99 ms | overhead p50 ms | overhead p99 ms | peak RPS | × LiteLLM proxy RPS |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, r in results.items():
+        ratio = f"{r['peak_rps'] / proxy['peak_rps']:.1f}×" if proxy else "n/a"
+        lines.append(f"| {name} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['overhead_p50_ms']:.2f} | "
+                     f"{r['overhead_p99_ms']:.2f} | {r['peak_rps']:.0f} | {ratio} |")
+    return lines
+
+
+DOCS = ROOT / "docs" / "benchmarks.md"
+BEGIN, END = "<!-- gateway-overhead: begin (bench/gateway_overhead.py --render-docs) -->", \
+    "<!-- gateway-overhead: end -->"
+
+
+def render_docs(payload: dict, docs: Path = DOCS) -> bool:
+    """Rewrite the block between the markers in docs/benchmarks.md from `payload` (False: no markers there)."""
+    text = docs.read_text()
+    if BEGIN not in text or END not in text:
+        return False
+    m = payload["machine"]
+    block = [BEGIN, "", (f"Latest run: {payload.get('finished_at', 'undated')}, {m.get('cpu_model') or 'unknown CPU'} "
+             f"({m['cpus']} CPUs); latency at concurrency 1 ({payload['settings']['latency_requests']} requests), "
+             f"peak over concurrency {', '.join(map(str, payload['settings']['concurrency']))}; ledger "
+             f"{payload['settings']['ledger']}."), "", *headline_table(payload)]
+    stages = stage_table(payload["results"])
+    if stages:
+        block += ["", ("Where the gateway's time goes (stage p50 in µs at concurrency 1; `upstream` is the HTTP "
+                  "exchange as the gateway sees it; gateway/stage_profile.py):"), "", *stages]
+    block += ["", END]
+    head, rest = text.split(BEGIN, 1)
+    docs.write_text(head + "\n".join(block) + rest.split(END, 1)[1])
+    return True
 
 
 def ensure_litellm_proxy(venv: Path) -> Path | None:
@@ -103,8 +206,17 @@ def main() -> int:
     parser.add_argument("--litellm-venv", type=Path, default=ROOT / ".venv-bench")
     parser.add_argument("--skip-litellm-proxy", action="store_true")
     parser.add_argument("--quick", action="store_true", help="a smoke run: few requests, short runs")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gateway_overhead.json")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--render-docs", action="store_true",
+                        help="only rewrite docs/benchmarks.md's gateway-overhead table from --out, then exit")
     args = parser.parse_args()
+    if args.render_docs:
+        if not render_docs(json.loads(args.out.read_text())):
+            print(f"no gateway-overhead markers in {DOCS}", file=sys.stderr)
+            return 1
+        print(f"rewrote the gateway-overhead table in {DOCS}")
+        return 0
+    previous = json.loads(args.out.read_text()) if args.out.exists() else None
     if args.quick:
         args.latency_requests, args.seconds, args.concurrency = 100, 1.0, [8]
 
@@ -147,7 +259,8 @@ routes:
                                 str(gw_port), "--database-url", f"sqlite:///{tmp / 'ledger.db'}",
                                 "--log-level", "warning"],
                                {"SWITCHYARD_MASTER_KEY": KEY, "SWITCHYARD_DATA_DIR": str(tmp / "data"),
-                                "BENCH_UPSTREAM_KEY": "sk-upstream"}, tmp / "gateway.log"))
+                                "BENCH_UPSTREAM_KEY": "sk-upstream", "SWITCHYARD_STAGE_PROFILE": "1"},
+                               tmp / "gateway.log"))
         gateway = f"http://127.0.0.1:{gw_port}/v1"
         wait_http(gateway.removesuffix("/v1") + "/health", 180)
 
@@ -186,7 +299,8 @@ litellm_settings:
             targets.append(("LiteLLM proxy", proxy_url, "gpt-4o-mini"))
         for name, base, model in targets:
             print(f"measuring {name}…", flush=True)
-            results[name] = measure(base + "/chat/completions", model, args)
+            root = gateway.removesuffix("/v1") if base == gateway else None
+            results[name] = measure(base + "/chat/completions", model, args, gateway_root=root)
     finally:
         for process in reversed(processes):
             stop(process)
@@ -195,21 +309,23 @@ litellm_settings:
     for name, r in results.items():
         r["overhead_p50_ms"] = r["p50_ms"] - direct["p50_ms"]
         r["overhead_p99_ms"] = r["p99_ms"] - direct["p99_ms"]
-    proxy = results.get("LiteLLM proxy")
-    print()
-    print("| target | p50 ms | p99 ms | overhead p50 ms | overhead p99 ms | peak RPS | × LiteLLM proxy RPS |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for name, r in results.items():
-        ratio = f"{r['peak_rps'] / proxy['peak_rps']:.1f}×" if proxy else "n/a"
-        print(f"| {name} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['overhead_p50_ms']:.2f} | "
-              f"{r['overhead_p99_ms']:.2f} | {r['peak_rps']:.0f} | {ratio} |")
-    payload = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+    payload = {"machine": machine(), "finished_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "settings": {"latency_requests": args.latency_requests, "seconds": args.seconds,
-                            "concurrency": args.concurrency, "ledger": "sqlite, on"},
+                            "concurrency": args.concurrency, "ledger": "sqlite, on", "stage_profile": "on"},
                "results": results}
+    print()
+    print("\n".join(headline_table(payload)))
+    for table in (stage_table(results), drift(previous, payload)):
+        if table:
+            print()
+            print("\n".join(table))
+    if previous and not drift(previous, payload):
+        print("\n(previous run was on another machine: no drift comparison)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(payload, indent=2))
     print(f"\nsaved {args.out}")
+    if not args.quick and args.out == DEFAULT_OUT and render_docs(payload):
+        print(f"rewrote the gateway-overhead table in {DOCS}")
     return 0
 
 

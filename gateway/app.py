@@ -21,7 +21,19 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway import admin_keys, dashboard, db, errors, metrics, model_cards, openapi, pricing, proxy, settings
+from gateway import (
+    admin_keys,
+    dashboard,
+    db,
+    errors,
+    metrics,
+    model_cards,
+    openapi,
+    pricing,
+    proxy,
+    settings,
+    stage_profile,
+)
 from gateway import health as backend_health
 from gateway.auth import Authenticator
 from gateway.backend_pool import BackendPool
@@ -297,6 +309,23 @@ async def prometheus(request: Request) -> Response:
     return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
 
+async def stage_profile_summary(request: Request) -> Response:
+    """GET /admin/stage-profile (master or admin key; only with SWITCHYARD_STAGE_PROFILE=1): per-route stage times;
+    `?reset=1` clears them after reading (gateway/stage_profile.py)."""
+    gw: Gateway = request.app.state.gw
+    try:
+        key = await gw.services.auth.authenticate(request.headers.get("authorization"))
+        if not key.is_admin:
+            raise APIError(403, "The stage profile is for the master key or an admin key.",
+                           type="permission_error", code="forbidden")
+    except APIError as exc:
+        return error_response(exc)
+    summary = stage_profile.STORE.summary()
+    if request.query_params.get("reset") in ("1", "true"):
+        stage_profile.STORE.reset()
+    return JSONResponse(summary)
+
+
 def create_app(config: GatewayConfig) -> Starlette:
     app = Starlette(
         routes=[
@@ -311,11 +340,14 @@ def create_app(config: GatewayConfig) -> Starlette:
             Route("/openapi.json", openapi.serve_document, methods=["GET"]),
             *dashboard.routes(),
             *admin_keys.routes(),
+            *([Route("/admin/stage-profile", stage_profile_summary, methods=["GET"])] if stage_profile.ENABLED
+              else []),
         ],
         lifespan=_lifespan,
         exception_handlers={404: _not_found, 405: _method_not_allowed},
         # Every response, errors included, has an x-request-id; an unexpected error is an OpenAI 500, with a row.
-        middleware=[Middleware(RequestIdMiddleware, on_error=_record_unexpected)],
+        middleware=[*([Middleware(stage_profile.StageProfileMiddleware)] if stage_profile.ENABLED else []),
+                    Middleware(RequestIdMiddleware, on_error=_record_unexpected)],
     )
     app.state.config = config
     return app

@@ -25,6 +25,7 @@ from gateway import (
     pricing,
     responses_api,
     settings,
+    stage_profile,
     unknown_fields,
 )
 from gateway.backends.base import (
@@ -98,9 +99,11 @@ class Call:
 
 async def handle(services: Services, request: Request, endpoint: Endpoint) -> Response:
     started = time.perf_counter()
+    stage_profile.mark("edge")
     request_id = http_edge.request_id_of(request.scope)  # the one x-request-id, error body and row share
     try:
         key = await services.auth.authenticate(request.headers.get("authorization"))
+        stage_profile.mark("auth")
     except APIError as exc:
         metrics.AUTH_FAILURES.inc()
         return _with_id(error_response(exc), request_id)
@@ -146,10 +149,14 @@ async def _admit(services: Services, request: Request, endpoint: Endpoint, recor
                  started: float, in_flight: metrics.InFlight) -> Call:
     """Read and route the request, check its key's limits and reserve its worst-case cost (APIError if not)."""
     body = await _read_body(request, endpoint, services.max_body_bytes, record)
+    stage_profile.mark("body")
     policy = services.policy_store.current
     route, decision, view = _route(services, policy, body, endpoint, record, key)
+    stage_profile.mark("route")
+    stage_profile.set_route(route.name)
     prompt_tokens = view.estimated_tokens
     reservation = await _reserve(services, key, policy, route, decision, body, endpoint, prompt_tokens, record)
+    stage_profile.mark("reserve")
     try:  # the rate limits after the budget: a request refused (or failing) from here gives its reservation back
         services.limiter.admit(key, prompt_tokens)
         if route.log_prompts:
@@ -161,6 +168,7 @@ async def _admit(services: Services, request: Request, endpoint: Endpoint, recor
     except BaseException:
         services.budgets.settle(reservation, 0.0)
         raise
+    stage_profile.mark("admit")
     return Call(record=record, key=key, policy=policy, route=route, body=body, endpoint=endpoint,
                 chain=decision.chain, reservation=reservation, started=started, in_flight=in_flight,
                 prompt_tokens=prompt_tokens, shadow=shadow)
@@ -312,6 +320,7 @@ async def _dispatch(services: Services, request: Request, call: Call, with_fallb
 
 async def _complete(services: Services, request: Request, call: Call) -> Response:
     outcome = await _dispatch(services, request, call, complete_with_fallbacks)
+    stage_profile.mark("dispatch")
     if isinstance(outcome, Response):
         return outcome
     completion, backend, _ = outcome
@@ -325,7 +334,9 @@ async def _complete(services: Services, request: Request, call: Call) -> Respons
     _finish(services, call, backend.spec, completion, answer=answer)  # the served model is in the row
     if "model" in body:
         body["model"] = call.body["model"]  # the model the client asked for (the route), on every route kind
-    return _answer_headers(Response(orjson.dumps(body), media_type="application/json"), call.record)
+    response = _answer_headers(Response(orjson.dumps(body), media_type="application/json"), call.record)
+    stage_profile.mark("finish")
+    return response
 
 
 def _answer(body: dict, endpoint: Endpoint) -> str | None:

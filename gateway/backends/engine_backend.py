@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 import orjson
 
-from gateway import responses_api
+from gateway import responses_api, stage_profile
 from gateway.backends.base import (
     Backend,
     Completion,
@@ -96,13 +96,16 @@ class EngineBackend(Backend):
             return Completion(responses_api.to_response(done.body, payload), done.usage, done.device_seconds,
                               done.utilisation, device_kind=done.device_kind)
         try:
-            async with self._client().post(self._urls[endpoint], data=self._encode(payload, False),
+            data = self._encode(payload, False)
+            stage_profile.mark("send")
+            async with self._client().post(self._urls[endpoint], data=data,
                                            headers=self._headers, timeout=self._plain_timeout) as resp:
                 status, headers = resp.status, resp.headers
                 if status >= 400:
                     content = await _read_at_most(resp, _ERROR_BODY_BYTES)
                 else:
                     content = await _read_within(resp, self.spec.max_response_bytes)
+            stage_profile.mark("upstream")
         except AnswerRejected as e:
             raise self._rejected(e) from e
         except (aiohttp.ClientError, TimeoutError) as e:
