@@ -1,7 +1,8 @@
 """The admin dashboard: `/dashboard` (one HTML page drawn with plotly.js) and its JSON under `/dashboard/api/…`.
 
-Every number comes from gateway/reports/figures.py (`Ledger`) and gateway/reports/decision.py, so the page
-says what the spreadsheet and the CSV files say. Admin keys only: the JSON endpoints and plotly.js take
+Every number comes from gateway/reports/figures.py (`Ledger`) and gateway/reports/decision.py, priced as the
+reports price (each row by the policy version that served it: gateway/reports/served_policy.py), so the page
+says what `switchyard report spreadsheet` and its CSV files say over the same window. Admin keys only: the JSON endpoints and plotly.js take
 `Authorization: Bearer <key>`; the page itself also takes `?key=` (a browser cannot send a header when it
 navigates), and its script sends that key as a Bearer header, never in a JSON URL.
 
@@ -30,8 +31,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from gateway import settings
+from gateway.policy import PolicyError
 from gateway.reports.decision import DecisionInputs, decide, standing
 from gateway.reports.figures import Ledger, ReportError, Window
+from gateway.reports.served_policy import ServedPolicies, resolve
 from openai_wire import APIError
 from openai_wire.responses import error_response
 
@@ -147,19 +151,34 @@ def _iso(value: datetime | None) -> str | None:
 # --------------------------------------------------------------------------------------------- the figures
 
 
+def _served(ledger: Ledger, w: Window, live: Any) -> ServedPolicies:
+    """The policies `switchyard report` prices the window with (each row by the version that served it, the
+    packaged default for rows without a stored text), so the page and the report agree on the same window.
+    Only where that default does not load (an install without it) does the live policy's file stand in."""
+    for default in (settings.DEFAULT_POLICY, getattr(live, "source", None)):
+        if default:
+            try:
+                return resolve(ledger, w, None, default)
+            except PolicyError:
+                continue
+    return ServedPolicies.single(live)
+
+
 def _decision(ledger: Ledger, w: Window, policy: Any):
-    inputs = DecisionInputs.from_ledger(ledger, w, policy)
+    inputs = DecisionInputs.from_ledger(ledger, w, _served(ledger, w, policy))
     return inputs, decide(inputs)
 
 
 def _summary(ledger: Ledger, w: Window, policy: Any, request: Request) -> dict[str, Any]:
     s = ledger.summary(w)
     engines = ledger.engines(w)
-    inputs = DecisionInputs.from_figures(s, engines, ledger.api_backends(w), policy)  # not from_ledger: no re-query
+    inputs = DecisionInputs.from_figures(s, engines, ledger.api_backends_by_version(w),  # not from_ledger: no re-query
+                                         _served(ledger, w, policy))
     result = decide(inputs)
     idle = sum(e.idle_usd for e in engines if e.has_uptime)
     return {
         "first": _iso(s.first), "last": _iso(s.last), "days": s.days, "requests": s.requests,
+        "window_start": _iso(s.window_start), "window_end": _iso(s.window_end),
         "prompt_tokens": s.prompt_tokens, "cached_prompt_tokens": s.cached_prompt_tokens,
         "completion_tokens": s.completion_tokens, "tokens": s.prompt_tokens + s.completion_tokens,
         "spend_usd": s.spend_usd, "api_spend_usd": s.api_spend_usd, "in_house_charged_usd": s.in_house_charged_usd,
@@ -176,6 +195,7 @@ def _summary(ledger: Ledger, w: Window, policy: Any, request: Request) -> dict[s
         "break_even_daily_tokens": result.break_even_daily_tokens,
         "capacity_daily_tokens": result.capacity_daily_tokens,
         "reference_api": inputs.reference.backend if inputs.reference else None,
+        "pricing": inputs.pricing,
         "notes": inputs.notes,
         "engines": [{"backend": e.backend, "utilisation": e.utilisation, "idle_usd": e.idle_usd if e.has_uptime else None,
                      "paid_usd": e.paid_usd, "has_uptime": e.has_uptime} for e in engines],

@@ -8,10 +8,11 @@ from __future__ import annotations
 import math
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -22,8 +23,9 @@ import pytest
 import sqlalchemy as sa
 
 from gateway import db
-from gateway.ledger.models import EngineUptimeRow, RequestRow
-from gateway.ledger.record import LedgerRecord, UptimeRecord
+from gateway.ledger.models import EngineUptimeRow, PolicyVersionRow, RequestRow
+from gateway.ledger.policy_versions import version_of
+from gateway.ledger.record import LedgerRecord, PolicyVersionRecord, UptimeRecord
 from tests.e2e.conftest import free_port, run_cli, wait_http
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -87,12 +89,13 @@ def seed(url: str) -> None:
     teams, weights = list(TEAMS), list(TEAMS.values())
     uptime, requests = [], []
     n = 0
+    version = version_of(POLICY)  # the rows were served by POLICY, whose text the gateway stored
 
     def request(at: datetime, **fields) -> None:
         nonlocal n
         n += 1
         requests.append(LedgerRecord(request_id=f"req-{n}", created_at=at, team=rng.choices(teams, weights)[0],
-                                     api_key_id="key_seed", policy_version="seed", **fields).to_row())
+                                     api_key_id="key_seed", policy_version=version, **fields).to_row())
 
     for hour_index in range(DAYS * 24):
         hour = START + timedelta(hours=hour_index)
@@ -144,6 +147,8 @@ def seed(url: str) -> None:
         with engine.begin() as conn:
             conn.execute(RequestRow.__table__.insert(), requests)
             conn.execute(EngineUptimeRow.__table__.insert(), uptime)
+            conn.execute(PolicyVersionRow.__table__.insert(),
+                         PolicyVersionRecord(version, START, POLICY, "policy.yaml").to_row())
     finally:
         engine.dispose()
 
@@ -179,13 +184,15 @@ def processes() -> Iterator[list[subprocess.Popen]]:
             process.kill()
 
 
-def _serve(tmp: Path, processes: list[subprocess.Popen], seeded: bool) -> Served:
+def _serve(tmp: Path, processes: list[subprocess.Popen], seed: Callable[[str], None] | None = None,
+           policy: str = POLICY) -> Served:
+    """`switchyard serve` over a fresh SQLite ledger that `seed(url)` fills first, with `policy` live."""
     tmp.mkdir(parents=True, exist_ok=True)
     url = f"sqlite:///{tmp / 'ledger.db'}"
     db.upgrade(url)
-    if seeded:
+    if seed is not None:
         seed(url)
-    (tmp / "policy.yaml").write_text(POLICY)
+    (tmp / "policy.yaml").write_text(policy)
     port = free_port()
     env = {**os.environ, "SWITCHYARD_MASTER_KEY": MASTER, "SWITCHYARD_DATA_DIR": str(tmp / "data")}
     env.pop("SWITCHYARD_DATABASE_URL", None)
@@ -203,12 +210,12 @@ def _serve(tmp: Path, processes: list[subprocess.Popen], seeded: bool) -> Served
 
 @pytest.fixture(scope="module")
 def seeded(tmp_path_factory, processes) -> Served:
-    return _serve(tmp_path_factory.mktemp("seeded"), processes, seeded=True)
+    return _serve(tmp_path_factory.mktemp("seeded"), processes, seed)
 
 
 @pytest.fixture(scope="module")
 def empty(tmp_path_factory, processes) -> Served:
-    return _serve(tmp_path_factory.mktemp("empty"), processes, seeded=False)
+    return _serve(tmp_path_factory.mktemp("empty"), processes)
 
 
 # --------------------------------------------------------------------------------------------- the browser
@@ -221,9 +228,36 @@ class Loaded:
     tiles: dict[str, str]
     console_errors: list[str]
     remote: list[str]
+    ticks: dict[str, dict[str, list[str]]]  # chart -> axis ('x', 'y', 'y2') -> the tick labels drawn
+    hovers: dict[str, list[str]]  # chart -> the hover label of each trace's first point (with hover=True)
+    notes: list[str]
+    window: str
+    marks: dict[str, int]  # chart -> the bars and markers plotly drew (SVG `.point`s)
 
 
-def _load(root: str, query: str = "", screenshot: Path | None = None) -> Loaded:
+# Plotly draws every tick label as SVG text (lines as tspans): read them as the reader sees them.
+_TICKS_JS = """(ids) => Object.fromEntries(ids.map((id) => {
+    const div = document.getElementById('chart-' + id);
+    const read = (cls) => Array.from(div.querySelectorAll('.' + cls + 'tick text'), (t) => {
+        const lines = t.querySelectorAll('tspan.line');
+        return lines.length ? Array.from(lines, (l) => l.textContent).join('\\n') : t.textContent;
+    });
+    return [id, {x: read('x'), y: read('y'), y2: read('y2')}];
+}))"""
+
+# Hover each trace's first point through plotly's own Fx.hover and read the label it draws.
+_HOVER_JS = """(ids) => Object.fromEntries(ids.map((id) => {
+    const div = document.getElementById('chart-' + id);
+    return [id, Array.from(div.data || [], (t, i) => {
+        Plotly.Fx.hover(div, [{curveNumber: i, pointNumber: 0}]);
+        const text = Array.from(div.querySelectorAll('.hoverlayer .hovertext'), (h) => h.textContent).join(' | ');
+        Plotly.Fx.unhover(div);
+        return text;
+    })];
+}))"""
+
+
+def _load(root: str, query: str = "", screenshot: Path | None = None, hover: bool = False) -> Loaded:
     from playwright.sync_api import sync_playwright
 
     errors: list[str] = []
@@ -254,7 +288,7 @@ def _load(root: str, query: str = "", screenshot: Path | None = None) -> Loaded:
             assert state == "ready", page.inner_text("#error")
             charts = page.evaluate("""(ids) => Object.fromEntries(ids.map((id) => {
                 const div = document.getElementById('chart-' + id);
-                return [id, Array.from(div.data || [], (t) => ({name: t.name, type: t.type,
+                return [id, Array.from(div.data || [], (t) => ({name: t.name, type: t.type, mode: t.mode || null,
                     x: Array.from(t.x || []), y: Array.from(t.y || []),
                     labels: Array.from(t.labels || []), values: Array.from(t.values || []),
                     dash: t.line && t.line.dash || null}))];
@@ -265,12 +299,25 @@ def _load(root: str, query: str = "", screenshot: Path | None = None) -> Loaded:
             }))""", CHARTS)
             tiles = page.evaluate("""() => Object.fromEntries(Array.from(document.querySelectorAll('.tile'),
                 (t) => [t.id.replace('tile-', ''), t.innerText]))""")
+            ticks = page.evaluate(_TICKS_JS, CHARTS)
+            notes = page.evaluate("() => Array.from(document.querySelectorAll('#notes li'), (li) => li.textContent)")
+            window = page.inner_text("#window")
+            marks = page.evaluate("""(ids) => Object.fromEntries(ids.map((id) =>
+                [id, document.querySelectorAll('#chart-' + id + ' .point').length]))""", CHARTS)
             if screenshot is not None:
                 page.wait_for_timeout(300)
                 page.screenshot(path=str(screenshot), full_page=True)
+            hovers = page.evaluate(_HOVER_JS, CHARTS) if hover else {}
+            if hover:  # a pie's hover is its slices' own mouse events, not Fx.hover's
+                hovers["share"] = []
+                for piece in page.query_selector_all("#chart-share g.slice"):
+                    piece.dispatch_event("mouseover")
+                    hovers["share"].append(" | ".join(page.locator("#chart-share .hoverlayer .hovertext")
+                                                      .all_text_contents()))
+                    piece.dispatch_event("mouseout")
         finally:
             browser.close()
-    return Loaded(charts, texts, tiles, errors, remote)
+    return Loaded(charts, texts, tiles, errors, remote, ticks, hovers, notes, window, marks)
 
 
 def _series(traces: list[dict]) -> dict[tuple[str, str], float]:
@@ -302,7 +349,10 @@ def test_the_page_draws_the_ledger_numbers(seeded):
     util = sql(url, "SELECT SUBSTR(created_at, 1, 13), backend, SUM(busy_seconds) / SUM(seconds) "
                     "FROM engine_uptime GROUP BY 1, 2")
     lines = [t for t in page.charts["utilisation"] if t["dash"] != "dash"]
-    _close(_series(lines), {(b, h + ":00"): v for h, b, v in util})
+    drawn = _series(lines)
+    gaps = {k for k, v in drawn.items() if v is None}  # the line breaks where the engine had no uptime
+    assert gaps == {(ENGINE, "2025-03-07 02:00:00")}
+    _close({k: v for k, v in drawn.items() if k not in gaps}, {(b, h + ":00"): v for h, b, v in util})
     assert len(util) == DAYS * 24 - 4  # four hours down
     (break_even,) = [t for t in page.charts["utilisation"] if t["dash"] == "dash"]
     summary = httpx.get(seeded.root + "/dashboard/api/summary", headers={"Authorization": f"Bearer {MASTER}"}).json()
@@ -348,6 +398,12 @@ def test_the_page_draws_the_ledger_numbers(seeded):
     (idle_usd,), = sql(url, "SELECT SUM((seconds - busy_seconds) * device_hour_usd) / 3600.0 FROM engine_uptime")
     assert f"${idle_usd:,.2f}" in page.tiles["idle"]
     assert SCREENSHOT.stat().st_size > 50_000
+
+    # Two weeks read in days: whole-day ticks on every time axis (the first with its year), never a time of day.
+    for name in ("spend", "idle", "savings", "utilisation"):
+        labels = page.ticks[name]["x"]
+        assert 3 <= len(labels) <= 15, (name, labels)
+        assert all(re.fullmatch(r"(Mar|Apr) \d{1,2}(\n2025)?", t) for t in labels), (name, labels)
 
 
 @needs_chromium
