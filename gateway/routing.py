@@ -3,7 +3,7 @@
 `decide()` runs on the request path, so everything slow happens elsewhere: difficulty models are loaded
 (the default one trained if missing) when a policy is applied, in a thread, and reloaded by a watcher when
 their file changes; engine load is scraped in the background (gateway/engine_load.py). Per request this
-costs one `DifficultyModel.score()` and a few comparisons.
+costs one `DifficultyModel.score()` and a few comparisons (thresholds and chains: a RoutePlan per policy and model).
 
 Reasons written to the ledger's `route_reason` (see docs/router.md, "Routing in the gateway"):
   fixed            a fixed route's backend
@@ -172,18 +172,35 @@ def fit_capabilities(route: RouteSpec, decision: Decision, policy: Policy, body:
 def _decide(route: RouteSpec, body: dict, models: DifficultyModels, load: EngineLoadMonitor) -> Decision:
     if route.strategy != "difficulty":
         return Decision(chain=route.chain(), reason="fixed")
-    model = models.get(route)
+    plan = models.plan(route)
     request = scoring_input(body)
-    if model is None or request is None:
-        return Decision(chain=difficulty_chain(route, None), reason="no_score")
-    score = model.score(request)
-    threshold = route.threshold
-    if threshold is None:
-        threshold = model.default_threshold if model.default_threshold is not None else FALLBACK_THRESHOLD
-    easy_load = load.get(route.easy) if (route.spillover or route.idle) else UNKNOWN
-    hard, applied, reason = choose(score, threshold, easy_load, route.spillover, route.idle)
-    return Decision(chain=difficulty_chain(route, hard), reason=reason, difficulty=score, threshold=applied,
-                    model_version=model.version)
+    if plan.model is None or request is None:
+        return Decision(chain=list(plan.chains[None]), reason="no_score")
+    score = plan.model.score(request)
+    easy_load = load.get(route.easy) if plan.watch_load else UNKNOWN
+    hard, applied, reason = choose(score, plan.threshold, easy_load, route.spillover, route.idle)
+    return Decision(chain=list(plan.chains[hard]), reason=reason, difficulty=score, threshold=applied,
+                    model_version=plan.model.version)
+
+
+@dataclass(frozen=True, slots=True)
+class RoutePlan:
+    """What deciding a difficulty route needs that depends only on the policy version and the loaded model,
+    worked out once (DifficultyModels.plan) instead of per request."""
+    route: RouteSpec
+    model: DifficultyModel | None
+    threshold: float  # the route's, else the model's default, else FALLBACK_THRESHOLD
+    chains: dict[bool | None, tuple[str, ...]]  # hard? → chain (None: no score)
+    watch_load: bool  # spillover or idle relaxation read the easy engine's load
+
+    @classmethod
+    def of(cls, route: RouteSpec, model: DifficultyModel | None) -> RoutePlan:
+        threshold = route.threshold
+        if threshold is None:
+            threshold = model.default_threshold if model is not None and model.default_threshold is not None \
+                else FALLBACK_THRESHOLD
+        return cls(route, model, threshold, {h: tuple(difficulty_chain(route, h)) for h in (True, False, None)},
+                   bool(route.spillover or route.idle))
 
 
 # ---------------------------------------------------------------- models, loaded off the request path
@@ -211,9 +228,21 @@ class DifficultyModels:
         self._files: dict[str, tuple[Path, tuple[int, int] | None]] = {}  # the file each model came from
         self._task: asyncio.Task | None = None
         self._lock = asyncio.Lock()
+        self._plans: dict[int, RoutePlan] = {}  # by id(route); each plan holds its route, so the id stays its
 
     def get(self, route: RouteSpec) -> DifficultyModel | None:
         return self._models.get(route.model_path or "")
+
+    def plan(self, route: RouteSpec) -> RoutePlan:
+        """The route's plan for the model loaded now: made on the first request after a policy or model change."""
+        model = self._models.get(route.model_path or "")
+        plan = self._plans.get(id(route))
+        if plan is None or plan.route is not route or plan.model is not model:
+            plan = RoutePlan.of(route, model)
+            plans = self._plans if len(self._plans) < 256 else {}  # routes of past policies are let go
+            plans[id(route)] = plan
+            self._plans = plans
+        return plan
 
     @staticmethod
     def _load(key: str) -> tuple[DifficultyModel, Path, tuple[int, int] | None]:

@@ -4,10 +4,9 @@ The n-gram hashing is done in numpy over the UTF-8 bytes of the text, so one req
 few dozen vectorised array operations instead of a Python loop per token, and training and
 serving run the very same code (no vocabulary to ship, no sklearn call per request):
 
-* char n-grams: polynomial rolling hash mod 2**64, extended one byte at a time (n = 3, 4, 5);
-* words (runs of letters, digits, `_` and non-ASCII bytes): polynomial hash of each run from
-  one prefix sum, using P**-1 mod 2**64 (P is odd, so it is invertible); bigrams combine two
-  neighbouring word hashes;
+* char n-grams (n = 3, 4, 5) and words (runs of letters, digits, `_` and non-ASCII bytes):
+  polynomial hash mod 2**64 of the bytes, all taken from one prefix sum using P**-1 mod 2**64
+  (P is odd, so it is invertible); bigrams combine two neighbouring word hashes;
 * each kind of feature is xor-ed with its own seed and passed through the splitmix64
   finaliser before taking the low bits as the bucket.
 
@@ -65,15 +64,6 @@ class FeatureConfig:
         return cls(**d)
 
 
-def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64 finaliser: spreads every input bit over the output (uint64 arithmetic wraps)."""
-    x = x ^ (x >> _U(30))
-    x = x * _U(0xBF58476D1CE4E5B9)
-    x = x ^ (x >> _U(27))
-    x = x * _U(0x94D049BB133111EB)
-    return x ^ (x >> _U(31))
-
-
 class _Powers:
     """P**i and P**-i mod 2**64 for i < size, grown on demand."""
 
@@ -103,53 +93,82 @@ def _window(text: str, head: int, tail: int) -> str:
     return text[:head] + " " + text[-tail:]
 
 
-def _normalise(text: str, cfg: FeatureConfig) -> np.ndarray:
+def _normalised_bytes(text: str, cfg: FeatureConfig) -> bytes:
     t = " ".join(_window(text, cfg.head_chars, cfg.tail_chars).lower().split())
     if cfg.fold_digits:
         t = t.translate(_DIGITS_TO_ZERO)
-    return np.frombuffer(t.encode("utf-8", "ignore"), dtype=np.uint8)
+    return t.encode("utf-8", "ignore")
 
 
-def _word_hashes(b: np.ndarray) -> np.ndarray:
-    if b.size == 0:
-        return np.zeros(0, dtype=np.uint64)
-    is_w = _WORD_BYTES[b]
-    edges = np.diff(np.concatenate(([False], is_w, [False])).astype(np.int8))
-    starts = np.flatnonzero(edges == 1)
-    ends = np.flatnonzero(edges == -1)
-    if starts.size == 0:
-        return np.zeros(0, dtype=np.uint64)
-    _POWERS.ensure(b.size + 1)
-    prefix = np.zeros(b.size + 1, dtype=np.uint64)
-    np.cumsum(b.astype(np.uint64) * _POWERS.inv[: b.size], out=prefix[1:])
-    return _POWERS.pow[ends - 1] * (prefix[ends] - prefix[starts])
+def _mix_inplace(x: np.ndarray) -> None:
+    """splitmix64 finaliser, in place: spreads every input bit over the output (uint64 arithmetic wraps)."""
+    x ^= x >> _U(30)
+    x *= _U(0xBF58476D1CE4E5B9)
+    x ^= x >> _U(27)
+    x *= _U(0x94D049BB133111EB)
+    x ^= x >> _U(31)
+
+
+def hashed_buckets(conv: Conversation, cfg: FeatureConfig) -> tuple[np.ndarray, tuple[int, ...]]:
+    """Bucket index of every n-gram occurrence of every block in ONE int64 array, and each block's
+    length (query words, query chars, context words: the blocks the config enables, in that order).
+
+    One prefix sum over " query context " serves every hash: the hash of bytes [s, e) is
+    P**(e-1) * (prefix[e] - prefix[s]) mod 2**64, the value the rolling hash gives (so the
+    buckets are position-independent and equal to the per-block rolling version). The spaces
+    around the query keep words from running across the seam; char n-grams are contiguous
+    slices, so they need no index arrays; every kind is mixed in one pass."""
+    q = _normalised_bytes(conv.query, cfg)
+    c = _normalised_bytes(conv.context, cfg) if cfg.context_words and conv.context else b""
+    buf = np.frombuffer(b" " + q + b" " + c + b" ", dtype=np.uint8)
+    lq, size = len(q), buf.size
+    _POWERS.ensure(size + 1)
+    prefix = np.zeros(size + 1, dtype=np.uint64)
+    np.cumsum(buf * _POWERS.inv[:size], out=prefix[1:])
+    parts: list[np.ndarray] = []
+    sizes: list[int] = []
+    if cfg.word_ngrams or cfg.context_words:
+        edges = np.flatnonzero(np.diff(_WORD_BYTES[buf])) + 1  # buf starts and ends with a space
+        starts, ends = edges[0::2], edges[1::2]
+        w = _POWERS.pow[ends - 1] * (prefix[ends] - prefix[starts])
+        nq = int(np.searchsorted(starts, lq + 1))  # the query is buf[1 : lq + 1]
+        if cfg.word_ngrams:
+            wq = w[:nq]
+            parts.append(wq ^ _SEED_WORD)
+            n_word = nq
+            if cfg.word_ngrams >= 2 and nq > 1:
+                bigram = wq[:-1] * _U(_P) + wq[1:]
+                bigram ^= _SEED_BIGRAM
+                parts.append(bigram)
+                n_word += nq - 1
+            sizes.append(n_word)
+    if cfg.char_ngrams:
+        n_char = 0
+        for n in sorted(k for k in set(cfg.char_ngrams) if k >= 1):
+            if n > lq:
+                break
+            # n-grams starting at buf[1 .. lq - n + 1], ending (exclusive) at buf[n + 1 .. lq + 1]
+            h = _POWERS.pow[n:lq + 1] * (prefix[n + 1:lq + 2] - prefix[1:lq - n + 2])
+            h ^= _SEED_CHAR[n]
+            parts.append(h)
+            n_char += h.size
+        sizes.append(n_char)
+    if cfg.context_words:
+        parts.append(w[nq:] ^ _SEED_CTX_WORD)
+        sizes.append(w.size - nq)
+    if not parts:
+        return np.zeros(0, dtype=np.int64), tuple(sizes)
+    x = np.concatenate(parts) if len(parts) > 1 else parts[0]
+    _mix_inplace(x)
+    x &= _U((1 << cfg.n_bits) - 1)
+    return x.view(np.int64), tuple(sizes)
 
 
 def hashed_indices(conv: Conversation, cfg: FeatureConfig) -> list[np.ndarray]:
     """Bucket index of every n-gram occurrence, one array per block (query words, query chars,
     context words); duplicates are kept (they are the counts)."""
-    mask = _U((1 << cfg.n_bits) - 1)
-    blocks: list[np.ndarray] = []
-    b = _normalise(conv.query, cfg)
-    if cfg.word_ngrams:
-        w = _word_hashes(b)
-        parts = [_mix(w ^ _SEED_WORD)]
-        if cfg.word_ngrams >= 2 and w.size > 1:
-            parts.append(_mix((w[:-1] * _U(_P) + w[1:]) ^ _SEED_BIGRAM))
-        blocks.append(np.concatenate(parts) & mask)
-    if cfg.char_ngrams:
-        parts = []
-        h = b.astype(np.uint64)
-        for n in range(1, max(cfg.char_ngrams) + 1):
-            if n > 1:
-                h = h[:-1] * _U(_P) + b[n - 1:].astype(np.uint64)
-            if n in cfg.char_ngrams and h.size:
-                parts.append(_mix(h ^ _SEED_CHAR[n]))
-        blocks.append((np.concatenate(parts) if parts else np.zeros(0, np.uint64)) & mask)
-    if cfg.context_words:
-        c = _word_hashes(_normalise(conv.context, cfg)) if conv.context else np.zeros(0, np.uint64)
-        blocks.append(_mix(c ^ _SEED_CTX_WORD) & mask)
-    return [blk.astype(np.int64) for blk in blocks]
+    idx, sizes = hashed_buckets(conv, cfg)
+    return np.split(idx, np.cumsum(sizes[:-1])) if sizes else []
 
 
 def weighted_block(idx: np.ndarray, idf: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
@@ -194,25 +213,31 @@ for _c in _MATH_SYMBOLS:
 _BYTE_CLASS[128:] = 5
 
 
+# The same byte classes as translate tables, so counting them is a handful of C calls on bytes.
+_CLASS_TABLE = bytes(_BYTE_CLASS.tolist())
+_DIGITS_ONLY = bytes(ord("1") if 0x30 <= i <= 0x39 else 0x20 for i in range(256))  # digit runs → split()
+_WORDS_ONLY = bytes(ord("w") if _WORD_BYTES[i] else 0x20 for i in range(256))  # word runs → split()
+
+
 def dense_features(conv: Conversation, max_chars: int = 1000) -> np.ndarray:
     """Structure counts of the query (ratios from its first max_chars) and of the conversation."""
     q = conv.query
     t = q[:max_chars]
-    raw = np.frombuffer(t.encode("utf-8", "ignore"), dtype=np.uint8)
-    n = max(raw.size, 1)
-    cls = _BYTE_CLASS[raw]
-    counts = np.bincount(cls, minlength=6)
-    is_digit = np.concatenate(([False], cls == 1))
-    numbers = int(np.count_nonzero(is_digit[1:] & ~is_digit[:-1]))
-    is_w = np.concatenate(([False], _WORD_BYTES[raw], [False])).astype(np.int8)
-    edges = np.diff(is_w)
-    wlen = np.flatnonzero(edges == -1) - np.flatnonzero(edges == 1)
-    words = max(wlen.size, 1)
+    raw = t.encode("utf-8", "ignore")
+    n = max(len(raw), 1)
+    cls = raw.translate(_CLASS_TABLE)
+    numbers = len(raw.translate(_DIGITS_ONLY).split())
+    word_runs = raw.translate(_WORDS_ONLY)
+    runs = word_runs.split()
+    n_words = len(runs)
+    word_bytes = word_runs.count(b"w")
+    longest = max(map(len, runs), default=0)
+    words = max(n_words, 1)
     f = (
         math.log1p(len(q)), math.log1p(q.count("\n") + 1), math.log1p(len(q) + len(conv.context)),
-        math.log1p(wlen.size * len(q) / max(len(t), 1)), float(wlen.sum()) / words,
-        math.log1p(int(wlen.max()) if wlen.size else 0),
-        counts[1] / n, counts[2] / n, counts[5] / n, counts[3] / n, counts[4] / n, math.log1p(numbers),
+        math.log1p(n_words * len(q) / max(len(t), 1)), float(word_bytes) / words,
+        math.log1p(longest),
+        cls.count(1) / n, cls.count(2) / n, cls.count(5) / n, cls.count(3) / n, cls.count(4) / n, math.log1p(numbers),
         math.log1p(t.count("?")), math.log1p(len(_LIST_RE.findall(t))), math.log1p(len(_CHOICE_RE.findall(t))),
         math.log1p(t.count("```")), math.log1p(sum(t.count(m) for m in _CODE_MARKERS)),
         math.log1p(sum(t.count(m) for m in _MATH_MARKERS)),

@@ -6,7 +6,10 @@ vector, the coefficients with the dense-feature standardisation folded in, and t
 as a NumPy .npz archive plus JSON metadata. A "gain" model (the default label rule) has a second
 head, P(weak model right), over the same features; both heads share one pass over the n-grams. Loading never unpickles (allow_pickle=False), so
 a model file cannot run code. Scoring redoes the hashing and the sparse dot product in numpy:
-no sklearn call per request.
+no sklearn call per request. What depends only on the model (the heads' weights side by side,
+idf squared, the dense weights as one matrix) is laid out once when it is loaded, every block's
+n-grams are counted and weighted in one pass, and a small LRU cache answers a request seen
+again (a retry, a repeated prompt) without scoring it twice.
 """
 from __future__ import annotations
 
@@ -17,16 +20,19 @@ import math
 import os
 import threading
 import zipfile
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 
-from router.conversation import parse
-from router.features import N_DENSE, FeatureConfig, dense_features, hashed_indices
+from router.conversation import Conversation, parse
+from router.features import N_DENSE, FeatureConfig, dense_features, hashed_buckets
 
 MODEL_FORMAT = "switchyard-difficulty-model"
 MODEL_FORMAT_VERSION = 2
 READABLE_FORMAT_VERSIONS = (1, 2)  # 2 added the optional weak head
+CACHE_SIZE = 1024  # requests remembered per loaded model (score cache)
+CACHE_MAX_CHARS = 8192  # longer requests are not cached: bounds the cache to a few MB of text
 
 
 class ModelFileError(ValueError):
@@ -37,7 +43,11 @@ class DifficultyModel:
     """Scores a request with P(strong backend needed) in [0, 1]. Route strong iff score >= threshold."""
 
     __slots__ = (
+        "_cached_score",
         "_coefs",
+        "_dense",
+        "_idf2",
+        "_intercepts",
         "_local",
         "coef",
         "coef_idf",
@@ -87,14 +97,23 @@ class DifficultyModel:
         self.default_threshold = None if default_threshold is None else float(default_threshold)
         self.meta = dict(meta or {})
         self.version = version
+        # Laid out once per load for the per-request path: one row of weights per head.
+        self._idf2 = None if self.idf is None else self.idf * self.idf
+        heads = [(self.intercept, self.dense_coef)]
+        if weak_head is not None:
+            heads.append((self.weak_intercept, self.weak_dense_coef))
+        self._intercepts = np.array([b for b, _ in heads], dtype=np.float64)
+        self._dense = np.ascontiguousarray(np.stack([d for _, d in heads], axis=1))  # (N_DENSE or 0, heads)
         self._local = threading.local()  # per-thread scratch for counting n-grams without sorting
+        self._cached_score = lru_cache(maxsize=CACHE_SIZE)(self._score_conversation)
 
     # ---- scoring -------------------------------------------------------------------------
 
-    def _scratch(self) -> np.ndarray:
+    def _scratch(self, blocks: int) -> np.ndarray:
+        """Per-thread counts, one 2**n_bits span per block, all zero between calls."""
         s = getattr(self._local, "scratch", None)
-        if s is None:
-            s = self._local.scratch = np.zeros(self.coef.size, dtype=np.float64)
+        if s is None or s.size < blocks * self.coef.size:
+            s = self._local.scratch = np.zeros(max(blocks, 1) * self.coef.size, dtype=np.int32)
         return s
 
     @property
@@ -104,39 +123,59 @@ class DifficultyModel:
     def logits(self, messages: list[dict] | str) -> np.ndarray:
         """Each head's w·x + b: [strong-needed] for a one-head model, [strong right, weak right]
         for a gain model."""
-        conv = parse(messages)
-        heads = self._coefs.shape[1]
-        z = np.zeros(heads)
-        scratch = self._scratch()
-        for idx in hashed_indices(conv, self.config):
-            if idx.size == 0:
-                continue
-            # Per occurrence: c = count of its bucket. Summing f(c)/c over occurrences equals
-            # summing f(c) over distinct buckets, which is what training computed with np.unique.
-            np.add.at(scratch, idx, 1.0)
-            c = scratch[idx]
-            scratch[idx] = 0.0
-            tf = 1.0 + np.log(c)
-            if self.idf is None:
-                norm2 = float(np.sum(tf * tf / c))
-            else:
-                t = tf * self.idf[idx]
-                norm2 = float(np.sum(t * t / c))
-            if norm2 > 0.0:
-                z += ((tf / c) @ self._coefs[idx]) / math.sqrt(norm2)
-        z[0] += self.intercept
-        if heads == 2:
-            z[1] += self.weak_intercept
+        return self._logits(parse(messages))
+
+    def _logits(self, conv: Conversation) -> np.ndarray:
+        z = self._intercepts.copy()
+        idx, sizes = hashed_buckets(conv, self.config)
+        if idx.size:
+            z += self._ngram_logits(idx, sizes)
         if self.config.dense:
-            d = dense_features(conv)
-            z[0] += float(self.dense_coef @ d)
-            if heads == 2:
-                z[1] += float(self.weak_dense_coef @ d)
+            z += dense_features(conv) @ self._dense
         return z
+
+    def _ngram_logits(self, idx: np.ndarray, sizes: tuple[int, ...]) -> np.ndarray:
+        """Sum over blocks of (block's tf-idf vector, L2-normalised) · weights, all blocks at once.
+        Per occurrence: c = count of its bucket in its block. Summing f(c)/c over occurrences equals
+        summing f(c) over distinct buckets, which is what training computed with np.unique."""
+        n = self.coef.size
+        key = idx.copy()
+        starts, lengths = [], []
+        at = 0
+        for block, size in enumerate(sizes):
+            if size:
+                if block:
+                    key[at:at + size] += block * n  # each block counts in its own span of the scratch
+                starts.append(at)
+                lengths.append(size)
+            at += size
+        scratch = self._scratch(len(sizes))
+        np.add.at(scratch, key, _ONE)  # a typed 1: a Python int sends ufunc.at down its slow path
+        c = scratch[key]
+        scratch[key] = 0
+        tf = np.log(c)
+        tf += 1.0
+        t2 = tf * tf
+        if self._idf2 is not None:
+            t2 *= self._idf2[idx]
+        t2 /= c
+        norm2 = np.add.reduceat(t2, starts) if len(starts) > 1 else np.array([t2.sum()])
+        with np.errstate(divide="ignore"):
+            scale = 1.0 / np.sqrt(norm2)  # a block with norm 0 adds nothing (scale 0 below)
+        scale[norm2 <= 0.0] = 0.0
+        w = tf / c
+        w *= np.repeat(scale, lengths) if len(lengths) > 1 else scale[0]
+        return w @ np.take(self._coefs, idx, axis=0)  # take: fancy indexing rows is ~10x slower
+
+    def _score_conversation(self, conv: Conversation) -> float:
+        return _combine(self._logits(conv))
 
     def score(self, messages: list[dict] | str) -> float:
         """P(strong backend needed), 0..1 (a gain model: see _combine)."""
-        return _combine(self.logits(messages))
+        conv = parse(messages)
+        if len(conv.query) + len(conv.context) <= CACHE_MAX_CHARS:
+            return self._cached_score(conv)
+        return self._score_conversation(conv)
 
     def decision(self, messages: list[dict] | str) -> float:
         """The logit of score()."""
@@ -234,6 +273,7 @@ class DifficultyModel:
 
 
 _FLOOR_SHARPNESS = 20.0
+_ONE = np.int32(1)
 
 
 def _combine(z: np.ndarray) -> float:
