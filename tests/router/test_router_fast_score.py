@@ -113,6 +113,19 @@ def test_a_model_without_dense_features_or_idf_scores_as_before():
             assert_equal_to_reference(m, r)
 
 
+def test_a_block_with_zero_idf_adds_nothing_as_before(models):
+    """A model file whose idf is 0 on a block's buckets: the old path skipped such a block (norm 0)."""
+    m = models["gain"]
+    idf = m.idf.copy()
+    conv = parse("hello there friend")
+    idf[hashed_indices(conv, m.config)[0]] = 0.0  # every query word and bigram bucket
+    zeroed = DifficultyModel(m.config, m.coef, idf, m.dense_coef, m.intercept, m.default_threshold, m.meta,
+                             weak_head=(m.weak_coef, m.weak_dense_coef, m.weak_intercept))
+    for r in ("hello there friend", "hello", "hello there friend, prove it", "", "zzz"):
+        assert_equal_to_reference(zeroed, r)
+        assert np.isfinite(zeroed.logits(r)).all()
+
+
 def test_the_cache_answers_only_for_the_same_request(models):
     m = _rows_model("gain")
     q = "prove the theorem on convergence of the integral step by step"
