@@ -101,6 +101,10 @@ class BackendSpec(_Strict):
     # past max_stream_bytes, is an upstream failure (upstream_too_large), cut off while it is read.
     max_response_bytes: int = Field(default=32 * 1024 * 1024, ge=4096)
     max_stream_bytes: int = Field(default=256 * 1024 * 1024, ge=4096)
+    # litellm only: OpenAI-wire providers (openai/…, hosted_vllm/…) are called over the backend's own pooled
+    # session with litellm's request translation only (gateway/backends/openai_wire_fast.py); false: the full
+    # litellm call, as before (docs/api-path.md).
+    fast_path: bool = True
 
 
 class SpilloverSpec(_Strict):

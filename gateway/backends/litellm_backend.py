@@ -19,6 +19,12 @@ provider's request (a TypeError/ValueError… with no network error behind it) i
 bad SSE data, a truncated stream) is the upstream's: kind "malformed". The upstream's message is kept without
 litellm's wording, and redacted (gateway/redact.py), in `detail`.
 
+Fast path: a provider that speaks OpenAI's wire (openai/…, hosted_vllm/…; gateway/backends/openai_wire_fast.py)
+is called without `litellm.acompletion`: litellm's request translation only, over the backend's own pooled
+aiohttp session, answers read within the caps and returned as the upstream's JSON; the errors are typed as
+`map_litellm_error` types litellm's. `fast_path: false` in the policy keeps the full litellm call
+(docs/api-path.md says what each path does and costs).
+
 Untrusted answers: litellm's OpenAI-wire HTTP (openai, azure, text-completion-openai…) goes through
 `guard.GuardedTransport` (litellm.aclient_session), which caps each answer at the backend's
 max_response_bytes (a stream: each event, and max_stream_bytes in all) while reading it, and refuses a stream
@@ -57,6 +63,7 @@ from gateway.backends.guard import (
     guarded_client,
     too_large,
 )
+from gateway.backends.openai_wire_fast import fast_wire
 from gateway.redact import redact
 
 if TYPE_CHECKING:
@@ -109,6 +116,22 @@ class LiteLLMBackend(Backend):
             fixed["api_base"] = spec.api_base
         self._fixed = fixed
         self._passthrough = _provider(spec.model) in _PASSTHROUGH_PROVIDERS
+        self._fast = fast_wire(spec)  # None: every call goes through litellm
+
+    def _fast_key(self, endpoint: Endpoint) -> str | None:
+        """The key for a fast-path call, or None when this call is litellm's (not an OpenAI-wire provider or
+        endpoint, or no key to send: litellm then reports the missing credentials as it always did)."""
+        if self._fast is None or endpoint not in self._fast.endpoints:
+            return None
+        return self._fast.api_key()
+
+    async def _fast_call(self, payload: dict, endpoint: Endpoint, key: str, stream: bool) -> Any:
+        try:
+            if stream:
+                return self._fast.stream(payload, endpoint, key)  # type: ignore[union-attr]
+            return await self._fast.complete(payload, endpoint, key)  # type: ignore[union-attr]
+        except (TypeError, ValueError, KeyError, AttributeError) as e:  # litellm's translation refused the request
+            raise map_litellm_error(e, self.name, None, [key]) from e
 
     def _kwargs(self, payload: dict, endpoint: Endpoint = "chat") -> dict:
         native = endpoint in _NATIVE_FIELDS
@@ -146,6 +169,14 @@ class LiteLLMBackend(Backend):
             ANSWER_LIMITS.reset(token)
 
     async def complete(self, payload: dict, endpoint: Endpoint) -> Completion:
+        key = self._fast_key(endpoint)
+        if key is not None:
+            done = await self._fast_call(payload, endpoint, key, False)
+            try:
+                body = _FAST_CONVERT[endpoint](done.body)
+            except (TypeError, ValueError, AttributeError) as e:
+                raise _malformed(e, self.name) from e
+            return Completion(body, done.usage)
         limits = self._limits(False)
         resp = await self._call(self._kwargs(payload, endpoint), endpoint, limits)
         try:
@@ -163,6 +194,15 @@ class LiteLLMBackend(Backend):
         return Completion(body, usage if usage is not None else Usage())
 
     async def stream(self, payload: dict, endpoint: Endpoint) -> AsyncIterator[dict]:
+        key = self._fast_key(endpoint)
+        if key is not None:
+            chunks = await self._fast_call(payload, endpoint, key, True)
+            try:
+                async for chunk in chunks:
+                    yield chunk
+            finally:
+                await chunks.aclose()  # closes the upstream's connection when the client goes
+            return
         kwargs = self._kwargs(payload, endpoint)
         kwargs["stream"] = True
         if endpoint != "responses":  # a Responses stream always ends with its usage
@@ -186,6 +226,11 @@ class LiteLLMBackend(Backend):
             raise map_litellm_error(e, self.name, limits, self._secrets()) from e
         finally:
             await _close_stream(wrapper)  # closes the provider's HTTP stream
+
+
+    async def aclose(self) -> None:
+        if self._fast is not None:
+            await self._fast.aclose()
 
 
 async def _close_stream(wrapper: Any) -> None:
@@ -237,6 +282,11 @@ def responses_dict(obj: Any) -> dict:
         for k in _EXTRA_USAGE:
             usage.pop(k, None)
     return d
+
+
+# The fast path's answers are the upstream's own OpenAI JSON: the same clean-up as litellm's objects get.
+_FAST_CONVERT = {"chat": to_openai_dict, "completions": to_openai_dict, "embeddings": embeddings_dict,
+                 "responses": responses_dict}
 
 
 def _caused_by_connect_error(e: BaseException) -> bool:
