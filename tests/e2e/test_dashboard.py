@@ -416,6 +416,7 @@ def test_the_team_filter_and_dates_requery(seeded):
     _close(_series(page.charts["spend"]), {(b, d): v for d, b, v in spend})
     assert {d for d, _, _ in spend} == {"2025-03-10", "2025-03-11"}
     assert [t["y"] for t in page.charts["teams"]] == [["research"]]
+    assert "· ledger 2025-03-10 to 2025-03-11 ·" in page.window  # the uptime ends at 00:00, exclusive: not 03-12
 
 
 @needs_chromium
