@@ -2,9 +2,11 @@
 
 Every number comes from gateway/reports/figures.py (`Ledger`) and gateway/reports/decision.py, priced as the
 reports price (each row by the policy version that served it: gateway/reports/served_policy.py), so the page
-says what `switchyard report spreadsheet` and its CSV files say over the same window. Admin keys only: the JSON endpoints and plotly.js take
-`Authorization: Bearer <key>`; the page itself also takes `?key=` (a browser cannot send a header when it
-navigates), and its script sends that key as a Bearer header, never in a JSON URL.
+says what `switchyard report spreadsheet` and its CSV files say over the same window.
+
+Admin keys only: the JSON endpoints and plotly.js take `Authorization: Bearer <key>`; the page itself also
+takes `?key=` (a browser cannot send a header when it navigates), and its script sends that key as a Bearer
+header, never in a JSON URL.
 
 plotly.js is served by the gateway from the installed `plotly` Python package: no CDN, works offline.
 
