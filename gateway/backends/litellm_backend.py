@@ -130,7 +130,9 @@ class LiteLLMBackend(Backend):
             if stream:
                 return self._fast.stream(payload, endpoint, key)  # type: ignore[union-attr]
             return await self._fast.complete(payload, endpoint, key)  # type: ignore[union-attr]
-        except (TypeError, ValueError, KeyError, AttributeError) as e:  # litellm's translation refused the request
+        except UpstreamError:
+            raise
+        except Exception as e:  # litellm's translation refused the request (e.g. UnsupportedParamsError): typed
             raise map_litellm_error(e, self.name, None, [key]) from e
 
     def _kwargs(self, payload: dict, endpoint: Endpoint = "chat") -> dict:

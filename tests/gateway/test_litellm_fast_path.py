@@ -69,6 +69,7 @@ CASES = [  # (model, endpoint, payload, stream)
                                     "max_tokens": 2, "metadata": {"team": "a"}, "user": "u-1"}, False),
     ("openai/o3-mini", "chat", {"messages": USER, "max_tokens": 4}, False),  # litellm: max_completion_tokens
     ("openai/gpt-4o-mini", "chat", {"messages": USER, "max_tokens": 2, "top_k": 5}, False),  # not OpenAI's: as is
+    ("openai/o3-mini", "chat", {"messages": USER, "temperature": 0.5}, False),  # litellm refuses: the same 400
     ("hosted_vllm/qwen", "chat", {"messages": USER, "max_tokens": 2, "tools": [{"type": "function", "function": {
         "name": "f", "strict": True, "parameters": {"type": "object", "properties": {},
                                                     "additionalProperties": False}}}]}, False),
@@ -79,6 +80,13 @@ CASES = [  # (model, endpoint, payload, stream)
     ("openai/gpt-4o-mini", "responses", {"input": "hello there", "max_output_tokens": 3}, False),
     ("openai/gpt-4o-mini", "responses", {"input": "hello there", "max_output_tokens": 3}, True),
 ]
+
+
+async def _outcome(url: str, backend: LiteLLMBackend, payload: dict, endpoint: str, stream: bool):
+    try:
+        return await sent_and_answered(url, backend, payload, endpoint, stream)
+    except UpstreamError as e:
+        return e
 
 
 def _comparable(answer, endpoint: str):
@@ -100,11 +108,15 @@ def _comparable(answer, endpoint: str):
 async def test_the_fast_path_sends_and_answers_what_the_full_litellm_call_does(upstream, model, endpoint, payload,
                                                                                stream):
     payload = {"model": "route-name", **payload}
-    full = await sent_and_answered(upstream, LiteLLMBackend(spec(upstream, model, fast_path=False)), payload,
-                                   endpoint, stream)
+    full = await _outcome(upstream, LiteLLMBackend(spec(upstream, model, fast_path=False)), payload, endpoint, stream)
     fast_backend = LiteLLMBackend(spec(upstream, model))
     assert fast_backend._fast is not None and endpoint in fast_backend._fast.endpoints
-    fast = await sent_and_answered(upstream, fast_backend, payload, endpoint, stream)
+    fast = await _outcome(upstream, fast_backend, payload, endpoint, stream)
+    if isinstance(full, UpstreamError):  # refused by litellm's translation: the same typed error, nothing sent
+        assert isinstance(fast, UpstreamError), fast
+        assert (fast.kind, fast.status, fast.detail) == (full.kind, full.status, full.detail)
+        assert standin_stats(upstream)["requests"] == 0
+        return
     assert fast[0] == full[0]  # the upstream received the same request
     assert _comparable(fast[1], endpoint) == _comparable(full[1], endpoint)
 
