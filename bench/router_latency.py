@@ -56,10 +56,10 @@ def workloads() -> dict[str, object]:
     }
 
 
-def timings(fn, request: object, n: int) -> tuple[np.ndarray, np.ndarray]:
+def timings(fn, request: object, n: int, warmup: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Wall time and this thread's CPU time per call, in microseconds. On a shared, oversubscribed
     machine the wall-time tail is mostly the scheduler's time slices; CPU time is the work itself."""
-    for _ in range(min(50, n)):
+    for _ in range(min(50, n) if warmup else 0):
         fn(request)
     wall = np.empty(n)
     cpu = np.empty(n)
@@ -70,6 +70,25 @@ def timings(fn, request: object, n: int) -> tuple[np.ndarray, np.ndarray]:
         wall[i] = time.perf_counter_ns() - t
         cpu[i] = time.thread_time_ns() - c
     return wall / 1e3, cpu / 1e3
+
+
+def interleaved_timings(fns: dict, request: object, n: int, block: int = 25) -> dict:
+    """timings() for several callables at once, in turns of `block` calls each, so that all of them see
+    the same load on a shared machine (a before/after comparison run one after the other does not)."""
+    for fn in fns.values():
+        for _ in range(min(50, n)):
+            fn(request)
+    wall = {name: [] for name in fns}
+    cpu = {name: [] for name in fns}
+    done = 0
+    while done < n:
+        k = min(block, n - done)
+        for name, fn in fns.items():
+            w, c = timings(fn, request, k, warmup=False)
+            wall[name].append(w)
+            cpu[name].append(c)
+        done += k
+    return {name: (np.concatenate(wall[name]), np.concatenate(cpu[name])) for name in fns}
 
 
 def text_of(r: object) -> str:
@@ -229,12 +248,16 @@ def main() -> int:
     for wname, req in shapes.items():
         row = {}
         print(f"\n{wname}")
+        # Ours, the previous path and decide() in turns (same load for all); the slow peers after them.
+        fast = {name: fn for name, fn in peers.items() if not ("sklearn" in name or "MiniLM" in name)}
+        measured = interleaved_timings(fast, req, args.n)
         for pname in names:
-            fn = peers[pname]
-            # The peers are far slower; fewer calls keep the run short (still enough for a p99).
-            slow = "sklearn" in pname or "MiniLM" in pname
-            n = args.n if not slow else max(100, args.n // (10 if "sklearn" in pname else 20))
-            t, c = timings(fn, req, n)
+            n = args.n
+            if pname in measured:
+                t, c = measured[pname]
+            else:  # the peers are far slower; fewer calls keep the run short (still enough for a p99)
+                n = max(100, args.n // (10 if "sklearn" in pname else 20))
+                t, c = timings(peers[pname], req, n)
             row[pname] = {"p50_us": float(np.percentile(t, 50)), "p99_us": float(np.percentile(t, 99)),
                           "max_us": float(t.max()), "cpu_p50_us": float(np.percentile(c, 50)),
                           "cpu_p99_us": float(np.percentile(c, 99)), "calls": n}

@@ -31,8 +31,8 @@ from router.features import N_DENSE, FeatureConfig, dense_features, hashed_bucke
 MODEL_FORMAT = "switchyard-difficulty-model"
 MODEL_FORMAT_VERSION = 2
 READABLE_FORMAT_VERSIONS = (1, 2)  # 2 added the optional weak head
-CACHE_SIZE = 1024  # requests remembered per loaded model (score cache)
-CACHE_MAX_CHARS = 8192  # longer requests are not cached: bounds the cache to a few MB of text
+CACHE_SIZE = 512  # requests remembered per loaded model (score cache)
+CACHE_MAX_CHARS = 8192  # longer requests are not cached: at most 512 x 8192 characters (4 MB of ASCII)
 
 
 class ModelFileError(ValueError):
