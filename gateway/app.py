@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -41,6 +42,7 @@ from gateway.backends.resilience import BreakerRegistry
 from gateway.budgets import BudgetBook
 from gateway.embedded import EmbeddedEngines
 from gateway.engine_load import EngineLoadMonitor
+from gateway.hot_path import HotPathApp
 from gateway.http_edge import RECORD_KEY, RequestIdMiddleware
 from gateway.ledger.models import RequestRow
 from gateway.ledger.policy_versions import PolicyVersionWriter
@@ -52,6 +54,7 @@ from gateway.policy_store import PolicyStore
 from gateway.ratelimit import RateLimiter
 from gateway.routing import RoutingRuntime
 from gateway.shadow.runner import ShadowRunner
+from gateway.stage_profile import StageProfileMiddleware
 from gateway.tasks import cancel_and_wait
 from gateway.uptime import UptimeRecorder
 from openai_wire import APIError
@@ -326,13 +329,20 @@ async def stage_profile_summary(request: Request) -> Response:
     return JSONResponse(summary)
 
 
-def create_app(config: GatewayConfig) -> Starlette:
+_HOT_HANDLERS = {"/v1/chat/completions": chat_completions, "/v1/completions": completions,
+                 "/v1/embeddings": embeddings, "/v1/responses": responses}
+
+
+def create_app(config: GatewayConfig) -> Any:
+    """The gateway's ASGI app: the Starlette app below, with the four POST endpoints clients call dispatched
+    straight to their handlers (gateway/hot_path.py); `.state` and the rest are the Starlette app's."""
+    def edge(app: Any) -> Any:
+        # Every response, errors included, has an x-request-id; an unexpected error is an OpenAI 500, with a row.
+        return RequestIdMiddleware(app, on_error=_record_unexpected)
+
     app = Starlette(
         routes=[
-            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-            Route("/v1/completions", completions, methods=["POST"]),
-            Route("/v1/embeddings", embeddings, methods=["POST"]),
-            Route("/v1/responses", responses, methods=["POST"]),
+            *(Route(path, handler, methods=["POST"]) for path, handler in _HOT_HANDLERS.items()),
             Route("/v1/models", list_models, methods=["GET"]),
             Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
@@ -345,12 +355,11 @@ def create_app(config: GatewayConfig) -> Starlette:
         ],
         lifespan=_lifespan,
         exception_handlers={404: _not_found, 405: _method_not_allowed},
-        # Every response, errors included, has an x-request-id; an unexpected error is an OpenAI 500, with a row.
-        middleware=[*([Middleware(stage_profile.StageProfileMiddleware)] if stage_profile.ENABLED else []),
-                    Middleware(RequestIdMiddleware, on_error=_record_unexpected)],
+        middleware=[Middleware(edge)],
     )
     app.state.config = config
-    return app
+    served: Any = HotPathApp(app, _HOT_HANDLERS, edge)
+    return StageProfileMiddleware(served) if stage_profile.ENABLED else served
 
 
 _LEDGER_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions",

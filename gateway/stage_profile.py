@@ -140,3 +140,6 @@ class StageProfileMiddleware:
             await self.app(scope, receive, send_and_time)
         finally:
             _current.reset(token)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.app, name)  # the app it wraps: `.state` and the rest
