@@ -8,8 +8,9 @@ head, P(weak model right), over the same features; both heads share one pass ove
 a model file cannot run code. Scoring redoes the hashing and the sparse dot product in numpy:
 no sklearn call per request. What depends only on the model (the heads' weights side by side,
 idf squared, the dense weights as one matrix) is laid out once when it is loaded, every block's
-n-grams are counted and weighted in one pass, and a small LRU cache answers a request seen
-again (a retry, a repeated prompt) without scoring it twice.
+n-grams are counted and weighted in one pass, and small LRU caches answer a request seen
+again (a retry, a repeated prompt) and a context seen again (a repeated system prompt) without
+working them out twice.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ MODEL_FORMAT_VERSION = 2
 READABLE_FORMAT_VERSIONS = (1, 2)  # 2 added the optional weak head
 CACHE_SIZE = 512  # requests remembered per loaded model (score cache)
 CACHE_MAX_CHARS = 8192  # longer requests are not cached: at most 512 x 8192 characters (4 MB of ASCII)
+CONTEXT_CACHE_SIZE = 256  # contexts (system prompts, earlier turns) remembered, each <= CACHE_MAX_CHARS
 
 
 class ModelFileError(ValueError):
@@ -45,6 +47,7 @@ class DifficultyModel:
     __slots__ = (
         "_cached_score",
         "_coefs",
+        "_context_logits",
         "_dense",
         "_idf2",
         "_intercepts",
@@ -106,6 +109,7 @@ class DifficultyModel:
         self._dense = np.ascontiguousarray(np.stack([d for _, d in heads], axis=1))  # (N_DENSE or 0, heads)
         self._local = threading.local()  # per-thread scratch for counting n-grams without sorting
         self._cached_score = lru_cache(maxsize=CACHE_SIZE)(self._score_conversation)
+        self._context_logits = lru_cache(maxsize=CONTEXT_CACHE_SIZE)(self._context_block)
 
     # ---- scoring -------------------------------------------------------------------------
 
@@ -126,8 +130,13 @@ class DifficultyModel:
         return self._logits(parse(messages))
 
     def _logits(self, conv: Conversation) -> np.ndarray:
-        idx, sizes = hashed_buckets(conv, self.config)
+        # The context block (system prompt, earlier turns) is normalised on its own, so its part of the
+        # logits depends on its text alone: a repeated system prompt is scored once (_context_logits).
+        cached_context = self.config.context_words and 0 < len(conv.context) <= CACHE_MAX_CHARS
+        idx, sizes = hashed_buckets(_query_only(conv) if cached_context else conv, self.config)
         z = self._intercepts + self._ngram_logits(idx, sizes) if idx.size else self._intercepts.copy()
+        if cached_context:
+            z += self._context_logits(conv.context)
         if self.config.dense:
             z += dense_features(conv) @ self._dense
         return z
@@ -163,6 +172,12 @@ class DifficultyModel:
         tf /= c
         tf /= norm.repeat(lengths) if len(lengths) > 1 else norm[0]
         return tf @ self._coefs.take(idx, axis=0)  # take: fancy indexing of rows is ~10x slower
+
+    def _context_block(self, context: str) -> np.ndarray:
+        idx, sizes = hashed_buckets(_context_only(context), self.config)
+        z = self._ngram_logits(idx, sizes) if idx.size else np.zeros_like(self._intercepts)
+        z.flags.writeable = False  # shared by every request with this context
+        return z
 
     def _score_conversation(self, conv: Conversation) -> float:
         return _combine(self._logits(conv))
@@ -267,6 +282,15 @@ class DifficultyModel:
         except IsADirectoryError as e:
             raise ModelFileError(f"{path}: is a directory, expected a model file") from e
         return cls.from_bytes(data, source=str(path))
+
+
+def _query_only(conv: Conversation) -> Conversation:
+    return Conversation(conv.query, "", conv.n_messages, conv.n_user, conv.n_assistant, conv.system_chars,
+                        conv.n_non_text_parts)
+
+
+def _context_only(context: str) -> Conversation:
+    return Conversation("", context, 0, 0, 0, 0, 0)
 
 
 _FLOOR_SHARPNESS = 20.0

@@ -147,6 +147,24 @@ def test_the_cache_answers_only_for_the_same_request(models):
     assert m._cached_score.cache_info().hits == len(variants) + 1
 
 
+def test_a_repeated_context_is_worked_out_once():
+    """A system prompt shared by many requests: its block's logits come from the context cache, and the
+    scores are still the previous path's; a context longer than CACHE_MAX_CHARS is worked out each time."""
+    m = _rows_model("gain")
+    system = {"role": "system", "content": "You are terse and prove every claim step by step. " * 30}
+    requests = [[system, {"role": "user", "content": f"question {i}: say hi"}] for i in range(10)]
+    for r in requests:
+        assert_equal_to_reference(m, r)
+    info = m._context_logits.cache_info()
+    assert info.misses == 1 and info.hits >= 9
+    other = [{"role": "system", "content": "Be brief."}, requests[0][1]]
+    assert_equal_to_reference(m, other)  # another context: its own entry, its own score
+    assert m._context_logits.cache_info().misses == 2
+    huge = [{"role": "system", "content": "rules " * (model_module.CACHE_MAX_CHARS // 6 + 1)}, requests[0][1]]
+    assert_equal_to_reference(m, huge)
+    assert m._context_logits.cache_info().currsize == 2
+
+
 def test_long_requests_are_not_kept_in_the_cache():
     m = _rows_model("gain")
     long = "x " * (model_module.CACHE_MAX_CHARS // 2 + 1)
