@@ -2,8 +2,9 @@
 
 Requests of several shapes (short, medium, long, very long, multi-turn, code) are scored one at
 a time, as the gateway does, by the default (two-head) model and by a one-head model, each request
-new to the model (its score cache cleared before every call); beside them, in the same run, the
-same request repeated (the score cache answers: a retry, a repeated prompt), the scoring path as it
+new to the model (its caches cleared before every call); beside them, in the same run, a new
+question under a known context (system prompt, earlier turns: the context cache answers for them),
+the same request repeated (the score cache answers: a retry, a repeated prompt), the scoring path as it
 was before the fast path (tests/router/reference_scoring.py, `--no-reference` to skip), and
 gateway.routing.decide end to end for a difficulty route next to a fixed route (the threshold and
 chains come from the route's plan, made once per policy version). Peer: the same features done the usual
@@ -156,10 +157,13 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def uncached(model: DifficultyModel):
-    """Score as for a request the model has not seen: the cache is cleared before every call."""
+def uncached(model: DifficultyModel, keep_context: bool = False):
+    """Score as for a request the model has not seen: its caches are cleared before every call
+    (keep_context: all but the context cache, as for a new question under a known system prompt)."""
     def score(r: object) -> float:
         model._cached_score.cache_clear()
+        if not keep_context:
+            model._context_logits.cache_clear()
         return model.score(r)
 
     return score
@@ -192,6 +196,7 @@ routes:
             body = {"model": route_name, "messages": r} if isinstance(r, list) else {"model": route_name, "prompt": r}
             if clear:
                 loaded._cached_score.cache_clear()
+                loaded._context_logits.cache_clear()
             return decide(route, body, models, load, policy)
 
         return run
@@ -222,6 +227,7 @@ def main() -> int:
     # The default is a two-head (gain) model; the one-head strong_only model shows what the second head costs.
     one_head = fit(requests, weak, strong, TrainConfig(label="strong_only", C=1.0))
     peers = {"ours (numpy)": uncached(model), "ours, one head": uncached(one_head),
+             "ours, new query, known context": uncached(model, keep_context=True),
              "ours, repeated request (cache)": model.score}
     if not args.no_reference:
         from tests.router.reference_scoring import reference_score
