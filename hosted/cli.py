@@ -15,8 +15,11 @@ from hosted.models import DEMO_MODEL_DIR, is_gguf, resolve_model_path
 
 if TYPE_CHECKING:
     from hosted.async_llm_engine import AsyncLLMEngine
+    from hosted.precision import Precision
     from hosted.server_state import ServerState
     from hosted.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 def checked_model_path(model: str) -> Path:
@@ -145,20 +148,36 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- serve
-def load_model(args: argparse.Namespace) -> tuple[AsyncLLMEngine, Tokenizer]:
-    """Build the tokenizer and engine from `switchyard engine serve` arguments."""
+def choose_precision(args: argparse.Namespace) -> Precision:
+    """The precision `engine serve` loads --model at: --dtype / --quantization, or what auto decides for this
+    file on this device (hosted/precision.py)."""
+    from hosted import precision
+    from hosted.model_runner import resolve_device
+
+    return precision.choose(resolve_model_path(args.model), resolve_device(args.device).type, args.dtype,
+                            getattr(args, "quantization", None), getattr(args, "quantization_group_size", 128))
+
+
+def load_model(args: argparse.Namespace, state: ServerState | None = None) -> tuple[AsyncLLMEngine, Tokenizer]:
+    """Build the tokenizer and engine from `switchyard engine serve` arguments; the precision chosen is logged
+    and, with `state`, kept there for /health and /metrics."""
     from hosted.async_llm_engine import AsyncLLMEngine
     from hosted.engine import EngineConfig, LLMEngine
     from hosted.tokenizer import Tokenizer
 
+    chosen = choose_precision(args)
+    log.info("%s", chosen.describe())
+    if state is not None:
+        state.precision = chosen
+        state.metrics.set_precision(chosen.weights, chosen.dtype, chosen.chosen_by)
     tokenizer = Tokenizer.from_dir(args.model)
-    config = EngineConfig(model_dir=args.model, dtype=args.dtype, device=args.device,
+    config = EngineConfig(model_dir=args.model, dtype=chosen.dtype, device=args.device,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           kv_cache_gb=args.kv_cache_gb, num_kv_blocks=getattr(args, "num_kv_blocks", None),
                           block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
                           max_model_len=getattr(args, "max_model_len", None),
-                          quantization=getattr(args, "quantization", None),
-                          quantization_group_size=getattr(args, "quantization_group_size", 128),
+                          quantization=chosen.quantization,
+                          quantization_group_size=chosen.group_size or getattr(args, "quantization_group_size", 128),
                           quantize_head=getattr(args, "quantize_head", None),
                           kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
                           decode_burst_ms=getattr(args, "decode_burst_ms", DEFAULT_DECODE_BURST_MS),
@@ -186,7 +205,8 @@ def cli_serve(args: argparse.Namespace) -> int:
         return 2
     name = args.served_model_name or served_name(model_path)
     run = _ServeRun(args, name)
-    app = build_app(ServerState(model_name=name), loader=lambda: load_model(args), on_ready=run.ready,
+    state = ServerState(model_name=name)
+    app = build_app(state, loader=lambda: load_model(args, state), on_ready=run.ready,
                     on_load_error=run.failed)
     run.serve(app)
     if run.exit_code == 0:
@@ -205,10 +225,13 @@ class _ServeRun:
 
     def ready(self, state: ServerState) -> None:
         assert state.engine is not None
-        args, s = self.args, state.engine.stats()
+        args, s, chosen = self.args, state.engine.stats(), state.precision
+        if chosen is not None:  # why, once (health and metrics say it too)
+            print(f"switchyard engine {chosen.describe()}", flush=True)
+        dtype, weights = (chosen.dtype, chosen.weights) if chosen is not None else (args.dtype, args.dtype)
         print(f"switchyard engine ready: model={self.name} url=http://{args.host}:{args.port}/v1 "
-              f"device={state.engine.engine.device} dtype={args.dtype} max_model_len={state.engine.max_model_len} "
-              f"kv_blocks={s.kv_blocks_total}x{args.block_size}", flush=True)
+              f"device={state.engine.engine.device} dtype={dtype} precision={weights} "
+              f"max_model_len={state.engine.max_model_len} kv_blocks={s.kv_blocks_total}x{args.block_size}", flush=True)
 
     def failed(self, exc: BaseException) -> None:
         print(f"error: cannot serve {self.args.model!r}: {exc}", file=sys.stderr, flush=True)

@@ -9,6 +9,7 @@ import argparse
 
 from hosted.config import DEFAULT_DECODE_BURST_MS, KV_CACHE_DTYPES
 from hosted.models import SMOLLM2_MODEL
+from hosted.precision import QUANTIZATION_CHOICES
 
 MODEL_HELP = ("checkpoint directory (config.json, *.safetensors, tokenizer.json), a llama-architecture GGUF "
               f"file, or package:NAME/FILE (a file inside an installed package, e.g. {SMOLLM2_MODEL})")
@@ -23,7 +24,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="model name reported by the API (default: the directory's or file's name)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="activations and unquantized weights; given without --quantization, the weights stay in it, "
+                        "nothing quantized (default: as --quantization auto decides, float32 or bfloat16)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--max-num-seqs", type=int, default=64,
                    help="most sequences decoded in one step (the batch size: TGI's --max-batch-size, llama.cpp's "
@@ -39,14 +42,19 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="longest prompt + output (default: the model's max_position_embeddings; llama.cpp's "
                         "--ctx-size, TGI's --max-total-tokens)")
     p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
+    p.add_argument("--quantization", default=None, choices=QUANTIZATION_CHOICES,
                    help="weight-only quantization of the decoder linears at load time (embedding and lm_head "
-                        "stay in --dtype): int8 per output channel, int4 group-wise with zero points")
+                        "stay in --dtype): int8 per output channel, int4 group-wise with zero points (with group "
+                        "size 32 a Q4_0/Q4_1 GGUF's own blocks); none: keep them in --dtype. Default auto, when "
+                        "--dtype is not given either: a quantized GGUF file on a CPU with the native bf16 kernels "
+                        "is served as bfloat16 (the fastest precision measured to keep float32's perplexity and "
+                        "greedy answers), anything else as float32 (docs/engine.md, Precision)")
     p.add_argument("--quantization-group-size", type=int, default=128, choices=[32, 64, 128],
-                   help="int4: input features per scale/zero group; must divide every layer's input size")
+                   help="--quantization int4: input features per scale/zero group; must divide every layer's input "
+                        "size (32 maps a Q4_0/Q4_1 GGUF's blocks as they are)")
     p.add_argument("--quantize-head", default=None, action=argparse.BooleanOptionalAction,
-                   help="read the lm_head as int8 on CPU (default: when --quantization is given or the checkpoint "
-                        "is quantized)")
+                   help="read the lm_head as int8 on CPU (default: when the decoder linears are quantized, by "
+                        "--quantization or the checkpoint)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="KV cache element type (default auto: --dtype); bfloat16 beside float32 or int8/int4 weights "
                         "halves the cache bytes each decode step reads and doubles the tokens the pool holds (CPU)")

@@ -38,7 +38,7 @@ from gguf import GGMLQuantizationType as QT
 
 from hosted.config import ConfigError, ModelConfig
 
-__all__ = ["GGUFWeights", "dequantize", "int4_blocks", "model_config", "open_gguf"]
+__all__ = ["GGUFWeights", "decoder_linear_types", "dequantize", "int4_blocks", "model_config", "open_gguf"]
 
 SUPPORTED_ARCHITECTURE = "llama"
 FLOAT_TYPES = (QT.F32, QT.F16, QT.BF16)
@@ -47,6 +47,7 @@ INT4_GROUP_SIZE = 32
 # Every type here is tested on files written by tests/hosted/test_gguf.py. The K-quants (Q4_K_M files etc.) are
 # not accepted yet: gguf can dequantize them, but it cannot write them, so nothing here would test them.
 SUPPORTED_TYPES = (*FLOAT_TYPES, QT.Q8_0, *INT4_TYPES, QT.Q5_0, QT.Q5_1)
+QUANTIZED_TYPES = (QT.Q8_0, *INT4_TYPES, QT.Q5_0, QT.Q5_1)  # a "quantized file" to --quantization auto
 
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
@@ -55,6 +56,7 @@ _BLOCK_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_laye
                 "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                 "ffn_down": "mlp.down_proj"}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+_LINEAR_KINDS = frozenset(k for k in _BLOCK_NAMES if not k.endswith("_norm"))  # what --quantization acts on
 
 
 # ------------------------------------------------------------------------------------------------ reading
@@ -163,6 +165,17 @@ def model_config(path: str | Path) -> ModelConfig:
         qkv_bias=False, o_bias=False, mlp_bias=False, sliding_window=None,
         bos_token_id=int(bos) if bos is not None else None, eos_token_ids=eos,
         torch_dtype=f"gguf:{_file_type(reader)}")
+
+
+def decoder_linear_types(path: str | Path) -> frozenset[QT]:
+    """The tensor types of the decoder layers' linear weights (q/k/v/o, gate/up/down): the ones a weight-only
+    quantization acts on, and so what `engine serve --quantization auto` decides from (hosted/precision.py)."""
+    types = set()
+    for t in open_gguf(path).tensors:
+        m = _BLOCK_RE.match(t.name)
+        if m is not None and m.group(2) in _LINEAR_KINDS and m.group(3) == "weight":
+            types.add(t.tensor_type)
+    return frozenset(types)
 
 
 def _rope_scaling(reader: gguf.GGUFReader, arch: str, src: str) -> dict[str, Any] | None:

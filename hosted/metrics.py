@@ -70,6 +70,9 @@ class EngineMetrics:
         self.device_info = Gauge(p + "device_info", "1 for the kind of device the model runs on (cpu | gpu)",
                                  ["kind", "device"], registry=r)
         self._device_seen = False
+        # The precision the model was loaded at (hosted/precision.py): weights bfloat16 | float32 | int8 | int4-g32 …
+        self.precision_info = Gauge(p + "precision_info", "1 for the precision the model runs at, and who chose it",
+                                    ["weights", "dtype", "chosen_by"], registry=r)
         # Speculative decoding: counters advanced by the engine's totals at each scrape.
         self.spec_proposed = Counter(p + "spec_proposed_tokens", "Draft tokens verified by the target model",
                                      registry=r)
@@ -81,6 +84,10 @@ class EngineMetrics:
 
     def observe_request(self, status: str) -> None:
         self.requests.labels(status=status).inc()
+
+    def set_precision(self, weights: str, dtype: str, chosen_by: str) -> None:
+        self.precision_info.clear()
+        self.precision_info.labels(weights=weights, dtype=dtype, chosen_by=chosen_by).set(1)
 
     def _observe_device(self, engine: AsyncLLMEngine) -> None:
         device = getattr(getattr(engine, "engine", None), "device", None)

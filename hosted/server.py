@@ -115,7 +115,10 @@ async def _load(state: ServerState, loading: _Loading) -> None:
 async def health(request: Request) -> Response:
     state: ServerState = request.app.state.server
     if state.engine is not None and state.engine.alive and state.tokenizer is not None:
-        return JSONResponse({"status": "ok", "model": state.model_name})
+        body = {"status": "ok", "model": state.model_name}
+        if state.precision is not None:
+            body["precision"] = state.precision.as_dict()
+        return JSONResponse(body)
     if state.load_error:
         return JSONResponse({"status": "error", "error": state.load_error}, status_code=503)
     if state.engine is not None and not state.engine.alive:

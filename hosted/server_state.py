@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from hosted.async_llm_engine import AsyncLLMEngine
 from hosted.metrics import EngineMetrics
+from hosted.precision import Precision
 from hosted.tokenizer import Tokenizer
 from openai_wire import APIError
 
@@ -20,6 +21,7 @@ class ServerState:
     tokenizer: Tokenizer | None = None
     metrics: EngineMetrics = field(default_factory=EngineMetrics)
     load_error: str | None = None
+    precision: Precision | None = None  # what the model loads as, and why (hosted/precision.py): /health says it
     created: int = field(default_factory=lambda: int(time.time()))
     _token_text: dict[int, tuple[str, list[int]]] = field(default_factory=dict)
 
