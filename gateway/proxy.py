@@ -592,25 +592,25 @@ def _charge(services: Services, call: Call, spec: BackendSpec, completion: Compl
     if spec.kind == "engine" and completion.device_seconds is not None and status == "ok":
         services.pool.observe_device_seconds(spec.name, usage, completion.device_seconds)
     services.limiter.record_tokens(call.key, usage.prompt_tokens + usage.completion_tokens)
-    metrics.TOKENS.labels(spec.name, "prompt").inc(usage.prompt_tokens)
-    metrics.TOKENS.labels(spec.name, "cached_prompt").inc(usage.cached_prompt_tokens)
-    metrics.TOKENS.labels(spec.name, "completion").inc(usage.completion_tokens)
-    metrics.COST.labels(spec.name, record.cost_basis).inc(record.cost_usd)
+    metrics.child(metrics.TOKENS, spec.name, "prompt").inc(usage.prompt_tokens)
+    metrics.child(metrics.TOKENS, spec.name, "cached_prompt").inc(usage.cached_prompt_tokens)
+    metrics.child(metrics.TOKENS, spec.name, "completion").inc(usage.completion_tokens)
+    metrics.child(metrics.COST, spec.name, record.cost_basis).inc(record.cost_usd)
 
 
 def _observe(record: LedgerRecord, route: str, status: str) -> None:
     backend_label = record.backend or "none"
-    metrics.REQUESTS.labels(route, backend_label, status).inc()
-    metrics.LATENCY.labels(route, backend_label).observe(record.latency_ms / 1000)
+    metrics.child(metrics.REQUESTS, route, backend_label, status).inc()
+    metrics.child(metrics.LATENCY, route, backend_label).observe(record.latency_ms / 1000)
     if record.ttft_ms is not None:
-        metrics.TTFT.labels(route, backend_label).observe(record.ttft_ms / 1000)
+        metrics.child(metrics.TTFT, route, backend_label).observe(record.ttft_ms / 1000)
 
 
 def _log_rejection(services: Services, record: LedgerRecord, exc: APIError, started: float) -> None:
     record.status, record.error_type, record.http_status = "rejected", exc.code or exc.type, exc.status
     record.error_type = errors.clip(record.error_type, _CODE_CHARS)
     record.latency_ms = (time.perf_counter() - started) * 1000
-    metrics.REQUESTS.labels(record.route or "none", "none", "rejected").inc()
+    metrics.child(metrics.REQUESTS, record.route or "none", "none", "rejected").inc()
     services.ledger.submit(record)
 
 

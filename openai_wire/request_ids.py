@@ -8,9 +8,9 @@ anything else gets a fresh one. Pure ASGI: no body buffering, streams pass throu
 from __future__ import annotations
 
 import logging
+import os
 import re
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +28,7 @@ def request_id(scope: dict) -> str:
     rid = scope.get(SCOPE_KEY)
     if rid is None:
         sent = next((value for name, value in scope.get("headers") or () if name.lower() == HEADER), b"")
-        rid = scope[SCOPE_KEY] = sent.decode() if _TOKEN.match(sent) else "req_" + uuid.uuid4().hex
+        rid = scope[SCOPE_KEY] = sent.decode() if _TOKEN.match(sent) else "req_" + os.urandom(16).hex()
     return rid
 
 
