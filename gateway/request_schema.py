@@ -682,12 +682,26 @@ def to_api_error(exc: ValidationError) -> APIError:
     return errors.invalid_request(f"Invalid request: '{name}' {detail}.", param=path or None)
 
 
+_TOKEN_LIMITS = {"max_tokens": MAX_TOKENS_LIMIT, "max_completion_tokens": MAX_TOKENS_LIMIT,
+                 "max_output_tokens": MAX_TOKENS_LIMIT, "n": MAX_CHOICES, "best_of": MAX_CHOICES}
+
+
+def _plain_token_fields(body: dict) -> bool:
+    """True when every token field present is what _TokenFields accepts without a doubt (an int, not a bool, in
+    range): the common request skips a second pydantic pass; anything else goes to _TokenFields for its 400."""
+    for name, limit in _TOKEN_LIMITS.items():
+        value = body.get(name)
+        if value is not None and not (type(value) is int and 1 <= value <= limit):
+            return False
+    return True
+
+
 def check(body: dict, endpoint: str) -> None:
     """Raise the 400 (APIError) for the first field that breaks OpenAI's request schema. The token fields come
     first and on every endpoint, whether or not its schema names them: budgets do arithmetic with them."""
     try:
-        if any(body.get(name) is not None for name in TOKEN_FIELDS):
-            _TokenFields.model_validate(body)
+        if not _plain_token_fields(body):
+            _TokenFields.model_validate(body)  # the 400 naming the field
         _MODELS[endpoint].model_validate(body)
     except ValidationError as exc:
         raise to_api_error(exc) from None
