@@ -78,8 +78,24 @@ def needs(body: dict, endpoint: str = "chat") -> frozenset[str]:
 _EMBEDDINGS = frozenset({"embeddings"})
 
 
+_OF: dict[int, tuple[BackendSpec, Capabilities]] = {}  # id(spec) -> (spec, its capabilities)
+
+
 def of(spec: BackendSpec) -> Capabilities:
-    """The backend's capabilities: the policy's declarations over the derived ones (two dict lookups)."""
+    """The backend's capabilities: the policy's declarations over the derived ones. Worked out once per spec
+    object (a BackendSpec is frozen, and each policy version holds its own): the request path asks for every
+    backend of a route's chain on every request."""
+    hit = _OF.get(id(spec))
+    if hit is not None and hit[0] is spec:
+        return hit[1]
+    found = _of(spec)
+    if len(_OF) >= 4096:  # old policy versions' specs: let them go
+        _OF.clear()
+    _OF[id(spec)] = (spec, found)
+    return found
+
+
+def _of(spec: BackendSpec) -> Capabilities:
     base = _derived(spec)
     declared = spec.capabilities
     if declared is None:
