@@ -56,14 +56,13 @@ def report_ladder(args: argparse.Namespace) -> int:
     from gateway import db, settings
     from gateway.reports import ladder
     from gateway.reports.figures import Ledger, ReportError, Window, window_caveat
-    from gateway.reports.report_policy import sqlite_file_missing
 
     measured = None
     if args.utilisation is None:
         try:
             window = Window.parse(args.since, args.until)
             url = settings.database_url(args.database_url)
-            if sqlite_file_missing(url):  # opening it would leave an empty ledger file behind
+            if db.sqlite_file_missing(url):  # opening it would leave an empty ledger file behind
                 raise ReportError(f"no ledger at {db.redact_url(url)}")
             with Ledger.open(url) as ledger:
                 engines = [e for e in ledger.engines(window)

@@ -67,6 +67,20 @@ def ensure_sqlite_dir(url: str) -> None:
         Path(database).expanduser().parent.mkdir(parents=True, exist_ok=True)
 
 
+def sqlite_file_missing(url: str) -> bool:
+    """Whether the URL names a SQLite file that does not exist (memory databases, other dialects and URLs that do
+    not parse: False). Readers check first: connecting would leave an empty file behind."""
+    try:
+        if not is_sqlite(url):
+            return False
+        database = make_url(url).database
+    except Exception:  # noqa: BLE001 - a malformed URL: let the open report it
+        return False
+    if not database or database == ":memory:" or database.startswith("file:"):
+        return False
+    return not Path(database).expanduser().exists()
+
+
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     # WAL lets the batch writer and readers (keys, reports, dashboard) work at the same time;
     # the busy timeout makes a second writer wait instead of failing with "database is locked".

@@ -318,7 +318,7 @@ def ledger_load(url: str, since: str | datetime | None = None, until: str | date
                    column("backend", String), column("prompt_tokens", Integer),
                    column("completion_tokens", Integer))
     c = ledger.c
-    from gateway.reports.report_policy import sqlite_file_missing
+    from gateway.db import sqlite_file_missing
 
     if sqlite_file_missing(url):  # create_engine would leave an empty file behind
         raise CapacityError(f"cannot read the ledger at {redact_url(url)}: no such file (pass --database-url URL, "

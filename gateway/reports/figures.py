@@ -27,7 +27,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 from typing import Any, Self
 
 import sqlalchemy as sa
@@ -265,18 +264,6 @@ def hour_sql(dialect: str, column: str = "created_at") -> str:
     return f"SUBSTR({column}, 1, 13)"
 
 
-def _missing_sqlite_file(url: str) -> bool:
-    """Whether the URL names a SQLite file that does not exist (memory databases and other dialects: False)."""
-    from gateway import db
-
-    if not db.is_sqlite(url):
-        return False
-    database = sa.engine.make_url(url).database
-    if not database or database == ":memory:" or database.startswith("file:"):
-        return False
-    return not Path(database).expanduser().exists()
-
-
 class Ledger:
     """Report queries over one database. `Ledger.open(url)`; use as a context manager or call close()."""
 
@@ -288,7 +275,7 @@ class Ledger:
     def open(cls, url: str) -> Ledger:
         from gateway import db
 
-        if _missing_sqlite_file(url):  # connecting would leave an empty file behind: reports only read
+        if db.sqlite_file_missing(url):  # connecting would leave an empty file behind: reports only read
             raise ReportError(f"cannot read the ledger at {db.redact_url(url)}: no such file (pass --database-url "
                               "URL, or start the gateway, `switchyard serve`, which creates it)")
         try:

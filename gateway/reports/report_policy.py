@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from gateway import db
 from gateway.policy import Policy, PolicyError, load_policy, parse_policy
 
 
@@ -30,17 +31,6 @@ class ReportPolicy:
     name: str = ""  # short, for price bases: "policies/default.yaml", "stored policy version 1a2b…"
 
 
-def sqlite_file_missing(url: str) -> bool:
-    from sqlalchemy.engine import make_url
-
-    try:
-        u = make_url(url)
-    except Exception:  # noqa: BLE001 - a malformed URL: let the open report it
-        return False
-    db = u.database or ""
-    return u.get_backend_name() == "sqlite" and db not in ("", ":memory:") and not Path(db).exists()
-
-
 def _stored(url: str) -> tuple[Policy, str, str] | str:
     """(policy, version, label) of the newest stored policy that still validates, or why there is none."""
     import sqlalchemy as sa
@@ -49,7 +39,7 @@ def _stored(url: str) -> tuple[Policy, str, str] | str:
     from gateway.reports.figures import Ledger, ReportError
 
     where = redact_url(url)
-    if sqlite_file_missing(url):
+    if db.sqlite_file_missing(url):
         return f"no ledger at {where}"
     try:
         ledger = Ledger.open(url)
