@@ -47,12 +47,16 @@ def workloads() -> dict[str, object]:
         turns += [{"role": "user", "content": f"Question {i}: how do we reroute shipment {i} if the port is closed?"},
                   {"role": "assistant", "content": "Here is a plan: " + _PARA}]
     turns.append({"role": "user", "content": "Summarise all the plans above into one table with costs."})
+    system = {"role": "system", "content": "You are the support assistant of a logistics company. Answer politely, "
+              "cite the policy section, never reveal internal notes. " * 15}
     return {
         "short (2 chars)": "hi",
+        "gateway bench prompt (26 chars)": [{"role": "user", "content": "Say something short please"}],
         "question (~120 chars)": "What is the derivative of x^3 * sin(x), and where does the resulting function have zeros?",
         "long doc (~4k chars)": "Summarise this report:\n" + _PARA * 25,
         "very long (~60k chars)": "Summarise this report:\n" + _PARA * 370,
         "multi-turn (14 msgs)": turns,
+        "system prompt (~2k chars) + question": [system, {"role": "user", "content": "Where is my parcel 4471?"}],
         "code (~2.5k chars)": "Find the bug:\n" + _CODE,
     }
 
@@ -282,13 +286,17 @@ def main() -> int:
             row["speedup_p50"] = row["previous path (reference)"]["cpu_p50_us"] / row["ours (numpy)"]["cpu_p50_us"]
         result["workloads"][wname] = row
 
-    summary = [(w, r["ours (numpy)"]["cpu_p50_us"], r.get("previous path (reference)", {}).get("cpu_p50_us"),
-                r["difficulty_route_adds_cpu_p50_us"], r["ours, repeated request (cache)"]["cpu_p50_us"])
+    summary = [(w, r.get("previous path (reference)", {}).get("cpu_p50_us"), r["ours (numpy)"]["cpu_p50_us"],
+                r["difficulty_route_adds_cpu_p50_us"], r["ours, new query, known context"]["cpu_p50_us"],
+                r["ours, repeated request (cache)"]["cpu_p50_us"])
                for w, r in result["workloads"].items()]
-    print("\n| workload | scoring CPU p50 us, now | previous path | decide(): difficulty over fixed | repeated request |")
-    print("|---|---:|---:|---:|---:|")
-    for w, now, before, adds, cached in summary:
-        print(f"| {w} | {now:.1f} | {'-' if before is None else f'{before:.1f}'} | {adds:.1f} | {cached:.1f} |")
+    print("\nthread-CPU p50, microseconds per request (the table docs/router.md shows)")
+    print("| workload | previous path | now, new request | decide(): difficulty route over fixed, new request "
+          "| now, new query, known context | now, repeated request |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for w, before, now, adds, known, cached in summary:
+        print(f"| {w} | {'-' if before is None else f'{before:.0f}'} | {now:.0f} | {adds:.0f} | {known:.0f} | "
+              f"{cached:.0f} |")
     result["ours_worst_p99_us"] = worst_p99
     result["ours_worst_cpu_p99_us"] = worst_cpu_p99
     result["target_p99_us"] = 1000.0
