@@ -65,26 +65,27 @@ class FeatureConfig:
 
 
 class _Powers:
-    """P**i and P**-i mod 2**64 for i < size, grown on demand."""
+    """P**i and P**-i mod 2**64 for i < size, grown on demand. Both tables are swapped in as one
+    tuple, so a thread never sees a grown table beside a short one."""
 
     def __init__(self) -> None:
-        self.pow = np.ones(1, dtype=np.uint64)
-        self.inv = np.ones(1, dtype=np.uint64)
+        self.tables = (np.ones(1, dtype=np.uint64), np.ones(1, dtype=np.uint64))
 
-    def ensure(self, size: int) -> None:
-        if self.pow.size >= size:
-            return
-        size = max(size, 2 * self.pow.size)
+    def get(self, size: int) -> tuple[np.ndarray, np.ndarray]:
+        tables = self.tables
+        if tables[0].size >= size:
+            return tables
+        size = max(size, 2 * tables[0].size)
         p = np.full(size, _P, dtype=np.uint64)
         p[0] = 1
         q = np.full(size, _Q, dtype=np.uint64)
         q[0] = 1
-        self.pow = np.cumprod(p, dtype=np.uint64)
-        self.inv = np.cumprod(q, dtype=np.uint64)
+        self.tables = tables = (np.cumprod(p, dtype=np.uint64), np.cumprod(q, dtype=np.uint64))
+        return tables
 
 
 _POWERS = _Powers()
-_POWERS.ensure(8192)
+_POWERS.get(16384)  # the default windows' worst case: (1,200 + 300 characters) x 4 bytes, query and context
 
 
 def _window(text: str, head: int, tail: int) -> str:
@@ -122,18 +123,18 @@ def hashed_buckets(conv: Conversation, cfg: FeatureConfig) -> tuple[np.ndarray, 
     c = _normalised_bytes(conv.context, cfg) if cfg.context_words and conv.context else b""
     buf = np.frombuffer(b" " + q + b" " + c + b" ", dtype=np.uint8)
     lq, size = len(q), buf.size
-    _POWERS.ensure(size + 1)
+    pw, inv = _POWERS.get(size + 1)
     # (array methods rather than np.* functions below: the functions' dispatch costs more than the work)
     prefix = np.empty(size + 1, dtype=np.uint64)
     prefix[0] = 0
-    (buf * _POWERS.inv[:size]).cumsum(out=prefix[1:])
+    (buf * inv[:size]).cumsum(out=prefix[1:])
     parts: list[np.ndarray] = []
     sizes: list[int] = []
     if cfg.word_ngrams or cfg.context_words:
         is_w = _WORD_BYTES[buf]
         edges = (is_w[1:] != is_w[:-1]).nonzero()[0] + 1  # buf starts and ends with a space: pairs
         starts, ends = edges[0::2], edges[1::2]
-        w = _POWERS.pow[ends - 1] * (prefix[ends] - prefix[starts])
+        w = pw[ends - 1] * (prefix[ends] - prefix[starts])
         nq = int(starts.searchsorted(lq + 1))  # the query is buf[1 : lq + 1]
         if cfg.word_ngrams:
             wq = w[:nq]
@@ -151,7 +152,7 @@ def hashed_buckets(conv: Conversation, cfg: FeatureConfig) -> tuple[np.ndarray, 
             if n > lq:
                 break
             # n-grams starting at buf[1 .. lq - n + 1], ending (exclusive) at buf[n + 1 .. lq + 1]
-            h = _POWERS.pow[n:lq + 1] * (prefix[n + 1:lq + 2] - prefix[1:lq - n + 2])
+            h = pw[n:lq + 1] * (prefix[n + 1:lq + 2] - prefix[1:lq - n + 2])
             h ^= _SEED_CHAR[n]
             parts.append(h)
             n_char += h.size

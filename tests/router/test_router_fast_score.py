@@ -198,3 +198,13 @@ def test_threads_score_as_one_thread(models):
         t.join()
     for k in range(4):
         np.testing.assert_allclose(got[k], want, rtol=0, atol=TOL)
+
+
+def test_texts_past_the_power_tables_grow_them():
+    """A config with wide windows reads more bytes than the tables start with (16,384): they grow, the
+    buckets stay the same."""
+    cfg = FeatureConfig(head_chars=40_000, tail_chars=0)
+    conv = parse([{"role": "system", "content": "\U0001F600 ctx " * 4_000},
+                  {"role": "user", "content": "\u4e2d\u6587 \U0001F600 x" * 5_000}])
+    for got, want in zip(hashed_indices(conv, cfg), ref.hashed_indices(conv, cfg), strict=True):
+        assert np.array_equal(got, want)
