@@ -101,13 +101,19 @@ def _normalised_bytes(text: str, cfg: FeatureConfig) -> bytes:
     return t.encode("utf-8", "ignore")
 
 
+_S30, _S27, _S31 = _U(30), _U(27), _U(31)
+_MIX1, _MIX2 = _U(0xBF58476D1CE4E5B9), _U(0x94D049BB133111EB)
+_UP = _U(_P)
+_MASKS = {bits: _U((1 << bits) - 1) for bits in range(65)}
+
+
 def _mix_inplace(x: np.ndarray) -> None:
     """splitmix64 finaliser, in place: spreads every input bit over the output (uint64 arithmetic wraps)."""
-    x ^= x >> _U(30)
-    x *= _U(0xBF58476D1CE4E5B9)
-    x ^= x >> _U(27)
-    x *= _U(0x94D049BB133111EB)
-    x ^= x >> _U(31)
+    x ^= x >> _S30
+    x *= _MIX1
+    x ^= x >> _S27
+    x *= _MIX2
+    x ^= x >> _S31
 
 
 def hashed_buckets(conv: Conversation, cfg: FeatureConfig) -> tuple[np.ndarray, tuple[int, ...]]:
@@ -141,7 +147,7 @@ def hashed_buckets(conv: Conversation, cfg: FeatureConfig) -> tuple[np.ndarray, 
             parts.append(wq ^ _SEED_WORD)
             n_word = nq
             if cfg.word_ngrams >= 2 and nq > 1:
-                bigram = wq[:-1] * _U(_P) + wq[1:]
+                bigram = wq[:-1] * _UP + wq[1:]
                 bigram ^= _SEED_BIGRAM
                 parts.append(bigram)
                 n_word += nq - 1
@@ -158,13 +164,14 @@ def hashed_buckets(conv: Conversation, cfg: FeatureConfig) -> tuple[np.ndarray, 
             n_char += h.size
         sizes.append(n_char)
     if cfg.context_words:
-        parts.append(w[nq:] ^ _SEED_CTX_WORD)
+        if w.size > nq:
+            parts.append(w[nq:] ^ _SEED_CTX_WORD)
         sizes.append(w.size - nq)
     if not parts:
         return np.zeros(0, dtype=np.int64), tuple(sizes)
     x = np.concatenate(parts) if len(parts) > 1 else parts[0]
     _mix_inplace(x)
-    x &= _U((1 << cfg.n_bits) - 1)
+    x &= _MASKS[cfg.n_bits]
     return x.view(np.int64), tuple(sizes)
 
 
