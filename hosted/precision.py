@@ -4,8 +4,8 @@ perplexity AND keeping float32's greedy answers as test_quantization.py requires
 the tokens the same until the first flip). Measured on SmolLM2-135M-Instruct's Q4_1 GGUF (docs/engine.md
 "Precision", bench/results/default_precision_*): every precision is within 1% (bf16 +0.12%, int4 g32 +0.33%,
 int8 +0.48%), but the native int8/int4 kernels round the activations to int8 and their greedy chat answers flip
-early (54% and 30% of the tokens kept; the README's quick-start question answered with nonsense at int4), while
-bf16 keeps them all, at 1.3-2.2x float32's decode speed there. So:
+early (int4 54% and int8 30% of the tokens kept; the README's quick-start question answered with nonsense at
+int4), while bf16 keeps them all, at 1.3x float32's batch-1 decode speed there (int8 / int4: 1.8-2.3x). So:
 
   * a GGUF file whose decoder linears are quantized (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0), on a CPU with the native bf16
     kernels: bfloat16 (the weights dequantized to bf16, bf16 KV cache).
@@ -15,7 +15,7 @@ bf16 keeps them all, at 1.3-2.2x float32's decode speed there. So:
     through torch.
 
 An explicit --dtype (weights in that dtype, nothing quantized) or --quantization int8 / int4 / none wins: int4
-with group size 32 takes a Q4 file's own blocks and is the fastest (2.2x float32 at the same measurement).
+with group size 32 takes a Q4 file's own blocks.
 """
 from __future__ import annotations
 
