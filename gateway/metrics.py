@@ -29,6 +29,20 @@ ENGINE_RESTARTS = Counter("switchyard_embedded_engine_restarts_total", "Embedded
 LOOP_LAG = Histogram("switchyard_event_loop_lag_seconds", "How late the event loop wakes a 0.25 s timer "
                      "(anything blocking the request path shows here)",
                      buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5))
+# Token demand per engine backend, for autoscalers (gateway/demand.py sets them; read when /metrics is rendered)
+DEMAND_PROMPT_TOK_S = Gauge("switchyard_backend_prompt_tokens_per_second", "Prompt tokens/s this gateway sent the "
+                            "engine backend, over its autoscale window", ["backend"])
+DEMAND_OUTPUT_TOK_S = Gauge("switchyard_backend_output_tokens_per_second", "Output tokens/s the engine backend "
+                            "produced for this gateway, over its autoscale window", ["backend"])
+DEMAND_IN_FLIGHT_TOKENS = Gauge("switchyard_backend_in_flight_tokens", "Tokens of this gateway's requests in the "
+                                "engine backend, averaged over the window (Little's Law: sum of tokens x seconds "
+                                "in system / window)", ["backend"])
+DESIRED_REPLICAS = Gauge("switchyard_backend_desired_replicas", "Engine replicas this gateway's output tokens/s "
+                         "needs at the TTFT target (`switchyard report capacity`'s devices; NaN: cannot plan)",
+                         ["backend"])
+REPLICA_TARGET_TOK_S = Gauge("switchyard_backend_replica_target_tokens_per_second", "Output tokens/s one replica "
+                             "is planned to carry: measured capacity at the TTFT target x target utilisation",
+                             ["backend"])
 
 
 _CHILDREN: dict[tuple, Any] = {}

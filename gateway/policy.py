@@ -60,6 +60,16 @@ class CapabilitySpec(_Strict):
     max_context: int | None = Field(default=None, ge=1)
 
 
+class AutoscaleSpec(_Strict):
+    """How an engine backend's `switchyard_backend_desired_replicas` is worked out (gateway/demand.py, docs/deploy.md).
+    Unset fields: `switchyard report capacity`'s defaults and its packaged curve."""
+
+    capacity_tokens_per_s: float | None = Field(default=None, gt=0)  # one replica's output tok/s at the TTFT target
+    p95_ttft_ms: float | None = Field(default=None, gt=0)  # the curve point used: largest concurrency meeting it
+    target_utilisation: float | None = Field(default=None, gt=0, le=1)
+    window_s: float = Field(default=60.0, ge=1, le=3600)  # the sliding window token rates are measured over
+
+
 class BackendSpec(_Strict):
     """Where requests can be sent: the in-house engine or any litellm-supported API."""
 
@@ -105,6 +115,7 @@ class BackendSpec(_Strict):
     # session with litellm's request translation only (gateway/backends/openai_wire_fast.py); false: the full
     # litellm call, as before (docs/api-path.md).
     fast_path: bool = True
+    autoscale: AutoscaleSpec | None = None  # engine only: desired replicas from token demand (gateway/demand.py)
 
 
 class SpilloverSpec(_Strict):
@@ -394,7 +405,7 @@ def _check_engine_backend(b: BackendSpec, p: tuple, add: _Add) -> None:
 
 
 def _check_litellm_backend(b: BackendSpec, p: tuple, add: _Add) -> None:
-    for f in ("launch", "engine_model_path", "engine_port", "reserve_usd_per_mtok"):
+    for f in ("launch", "engine_model_path", "engine_port", "reserve_usd_per_mtok", "autoscale"):
         if getattr(b, f) is not None:
             add(p + (f,), f"'{f}' applies only to engine backends", "remove it, or set `kind: engine`")
     if b.engine_args:

@@ -19,6 +19,7 @@ from starlette.responses import Response
 from gateway import (
     admission,
     budgets,
+    demand,
     errors,
     http_edge,
     metrics,
@@ -592,6 +593,7 @@ def _charge(services: Services, call: Call, spec: BackendSpec, completion: Compl
     if spec.kind == "engine" and completion.device_seconds is not None and status == "ok":
         services.pool.observe_device_seconds(spec.name, usage, completion.device_seconds)
     services.limiter.record_tokens(call.key, usage.prompt_tokens + usage.completion_tokens)
+    demand.observe(spec, usage.prompt_tokens, usage.completion_tokens, record.latency_ms)  # autoscaling's feed
     metrics.child(metrics.TOKENS, spec.name, "prompt").inc(usage.prompt_tokens)
     metrics.child(metrics.TOKENS, spec.name, "cached_prompt").inc(usage.cached_prompt_tokens)
     metrics.child(metrics.TOKENS, spec.name, "completion").inc(usage.completion_tokens)
