@@ -107,13 +107,14 @@ async def test_stream_chat_and_text_with_usage(upstream: str, make_spec) -> None
         text_chunks = await drain(backend.stream(TEXT, "completions"))
         assert content_of(text_chunks, chat=False) == "tok0 tok1 tok2 tok3"
         assert usage_from_chunk(text_chunks[-1]) == Usage(3, 4, 2)
-        # keep-alive: the engine's pooled client reuses its connection across requests and streams
+        # keep-alive: the engine's pooled clients (plain requests: http1.py; streams: aiohttp, already open from
+        # the streams above) reuse their connections: one new for the plain requests, +1 this stats call's own
         if backend.spec.kind == "engine":
             before = standin_stats(upstream)["connections_total"]
             for _ in range(3):
                 await backend.complete(CHAT, "chat")
                 await drain(backend.stream(CHAT, "chat"))
-            assert standin_stats(upstream)["connections_total"] == before + 1  # +1: this stats call's own
+            assert standin_stats(upstream)["connections_total"] == before + 2
     finally:
         await backend.aclose()
 
