@@ -82,8 +82,9 @@ def _settings(spec: BackendSpec) -> AutoscaleSpec:
 class DemandTracker:
     """Sliding-window token demand per engine backend. `observe` is O(1) amortised (one bucket a second)."""
 
-    def __init__(self, clock=time.monotonic) -> None:
+    def __init__(self, clock=time.monotonic, export: bool = True) -> None:
         self._clock = clock
+        self._export_gauges = export  # False: a tracker that only computes (the gauges stay the live one's)
         self._backends: dict[str, _Backend] = {}
         self._lock = threading.Lock()  # /metrics may be rendered off the event loop (a scrape thread)
         self._curve: Curve | None = None
@@ -101,7 +102,8 @@ class DemandTracker:
             b = self._backends.get(spec.name)
             if b is None:
                 b = self._backends[spec.name] = _Backend(spec)
-                self._export(spec.name)
+                if self._export_gauges:
+                    self._export(spec.name)
             b.spec = spec
             if not b.buckets or b.buckets[-1].second != second:
                 b.buckets.append(_Bucket(second))

@@ -143,7 +143,7 @@ routes:
 
 def test_window_slides_and_demand_falls_to_zero():
     clock = Clock()
-    t = DemandTracker(clock)
+    t = DemandTracker(clock, export=False)
     spec = _spec("demand_unit_slide", "{capacity_tokens_per_s: 10, target_utilisation: 1, window_s: 10}")
     for _ in range(5):  # 5 requests a second for 4 s: 100 prompt + 30 output tokens each, 2 s in the system
         for _ in range(5):
@@ -163,7 +163,7 @@ def test_window_slides_and_demand_falls_to_zero():
 
 def test_unreachable_ttft_target_is_nan_not_a_guess():
     clock = Clock()
-    t = DemandTracker(clock)
+    t = DemandTracker(clock, export=False)
     spec = _spec("demand_unit_nan", "{p95_ttft_ms: 1}")  # the packaged curve's best p95 is ~190 ms
     t.observe(spec, 10, 10, 1.0)
     assert math.isnan(t.desired_replicas("demand_unit_nan"))
