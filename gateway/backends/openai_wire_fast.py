@@ -119,6 +119,8 @@ class OpenAIWireFast:
                                                      sock_read=spec.timeout_s)
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._in_flight = 0  # calls using the session: a policy reload's aclose waits for them
+        self._closing = False
 
     # ------------------------------------------------------------ credentials and session
 
@@ -144,8 +146,20 @@ class OpenAIWireFast:
         return self._session
 
     async def aclose(self) -> None:
+        """Close the pool once the calls in flight are done (a reload replaces the backend under them: they
+        finish on the policy they started with)."""
+        self._closing = True
+        if self._in_flight == 0:
+            await self._close_session()
+
+    async def _close_session(self) -> None:
         if self._session is not None and not self._session.closed and self._loop is asyncio.get_running_loop():
             await self._session.close()
+
+    async def _done(self) -> None:
+        self._in_flight -= 1
+        if self._closing and self._in_flight == 0:
+            await self._close_session()
 
     # ------------------------------------------------------------ requests
 
@@ -203,6 +217,7 @@ class OpenAIWireFast:
 
     async def complete(self, payload: dict, endpoint: Endpoint, key: str) -> Completion:
         data = self.body(payload, endpoint, False)
+        self._in_flight += 1
         try:
             async with self._client().post(self._urls[endpoint], data=data, headers=self._headers(key),
                                            timeout=self._plain_timeout) as resp:
@@ -215,6 +230,8 @@ class OpenAIWireFast:
             raise self.rejected(e) from e
         except (aiohttp.ClientError, TimeoutError) as e:
             raise self._transport_error(e) from e
+        finally:
+            await self._done()
         if status >= 400:
             raise self._http_error(status, content, headers, key)
         try:
@@ -230,11 +247,15 @@ class OpenAIWireFast:
         return self._stream(self.body(payload, endpoint, True), endpoint, key)
 
     async def _stream(self, data: bytes, endpoint: Endpoint, key: str) -> AsyncIterator[dict]:
+        self._in_flight += 1
         try:
             resp = await self._client().post(self._urls[endpoint], data=data, headers=self._headers(key),
                                              timeout=self._stream_timeout)
-        except (aiohttp.ClientError, TimeoutError) as e:
-            raise self._transport_error(e) from e
+        except BaseException as e:  # cancelled too: the call is no longer in flight
+            await self._done()
+            if isinstance(e, aiohttp.ClientError | TimeoutError):
+                raise self._transport_error(e) from e
+            raise
         finished = False
         try:
             if resp.status >= 400:
@@ -274,6 +295,7 @@ class OpenAIWireFast:
                 resp.release()
             else:
                 resp.close()  # cut short (client gone, error): the upstream sees the disconnect
+            await self._done()
 
     def _chunk(self, line: bytes, key: str) -> dict:
         try:

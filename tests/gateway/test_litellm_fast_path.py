@@ -3,6 +3,7 @@
 sends and answer what it answers; `fast_path: false` keeps the full call."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 
 import litellm
@@ -180,3 +181,28 @@ async def test_without_a_key_the_call_is_litellms_and_fails_as_it_did(upstream, 
     with pytest.raises(UpstreamError) as err:
         await backend.complete({"model": "m", "messages": USER}, "chat")
     assert "OPENAI_API_KEY" in (err.value.detail or "") and standin_stats(upstream)["requests"] == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_reload_closing_the_backend_lets_the_calls_in_flight_finish(monkeypatch, stream):
+    """A policy reload closes a replaced backend at once (gateway/backend_pool.py); requests in flight finish on
+    the policy they started with, so the fast path's pool closes only after them."""
+    monkeypatch.setenv("SY_FAST_KEY", KEY)
+    with run_standin(first_byte_delay_ms=300, token_delay_ms=20) as url:
+        backend = build_backend(spec(url))
+        payload = {"model": "m", "messages": USER, "max_tokens": 5}
+        if stream:
+            chunks = backend.stream(dict(payload), "chat")
+            first = await chunks.__anext__()
+            await backend.aclose()
+            rest = [c async for c in chunks]
+            assert first["choices"] and rest[-1]["usage"]["completion_tokens"] == 5
+        else:
+            call = asyncio.create_task(backend.complete(dict(payload), "chat"))
+            for _ in range(200):
+                if standin_stats(url)["in_flight"] == 1:
+                    break
+                await asyncio.sleep(0.01)
+            await backend.aclose()
+            assert (await call).usage.completion_tokens == 5
+        assert backend._fast._session.closed  # and then the pool is closed
