@@ -42,6 +42,8 @@ class BackendPool:
         for name, spec in policy.backends.items():
             if spec.name in bases:
                 spec = spec.model_copy(update={"api_base": bases[spec.name]})
+            elif (replicas := self._embedded.fleet_bases(spec.name)) is not None:  # `replicas: N` (gateway/fleet.py)
+                spec = spec.model_copy(update={"api_bases": replicas})
             wanted[name] = spec
         stale = []
         for name, spec in wanted.items():

@@ -82,11 +82,13 @@ class EngineProcess:
     """One supervised `switchyard engine serve` child: `starting` until its /health answers 200, then `up`;
     `restarting` (with the exit that ended it) while it waits out the backoff after a crash."""
 
-    def __init__(self, spec: BackendSpec, log_dir: Path) -> None:
+    def __init__(self, spec: BackendSpec, log_dir: Path, replica: int | None = None) -> None:
         self.spec = spec
         self.port = spec.engine_port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
-        self.log_path = log_dir / f"engine-{spec.name}.log"
+        # One of a fleet's `replicas: N` (gateway/fleet.py): its own port and log
+        self.name = spec.name if replica is None else f"{spec.name}/{replica}"
+        self.log_path = log_dir / f"engine-{self.name.replace('/', '-')}.log"
         self._process: asyncio.subprocess.Process | None = None
         self._supervisor: asyncio.Task | None = None
         self._stopping = False
@@ -103,7 +105,7 @@ class EngineProcess:
         return cmd + engine_args.argv(self.spec.engine_args or {})  # checked when the policy loaded
 
     def start(self) -> None:
-        self._supervisor = asyncio.create_task(self._supervise(), name=f"engine-{self.spec.name}")
+        self._supervisor = asyncio.create_task(self._supervise(), name=f"engine-{self.name}")
 
     async def _supervise(self) -> None:
         backoff = 1.0
@@ -122,10 +124,10 @@ class EngineProcess:
             self.last_exit = EngineExit(code, time.time(), ran, tuple(tail))
             self.state, self._restart_at = "restarting", loop.time() + backoff
             self._ready.clear()
-            metrics.ENGINE_RESTARTS.labels(self.spec.name).inc()
+            metrics.ENGINE_RESTARTS.labels(self.name).inc()
             said = "\n".join(f"    {line}" for line in tail) or "    (nothing on stderr)"
             log.error("embedded engine %s exited with code %s after %.1f s; restarting in %.0f s (log %s). "
-                      "Its last stderr lines:\n%s", self.spec.name, code, ran, backoff, self.log_path, said)
+                      "Its last stderr lines:\n%s", self.name, code, ran, backoff, self.log_path, said)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 30.0)
 
@@ -136,7 +138,7 @@ class EngineProcess:
             self._process = process = await asyncio.create_subprocess_exec(
                 *self.command(), stdin=asyncio.subprocess.DEVNULL, stdout=log_file,
                 stderr=asyncio.subprocess.PIPE, preexec_fn=_die_with_parent)
-        log.info("embedded engine %s started (pid %s) at %s; log %s", self.spec.name, process.pid,
+        log.info("embedded engine %s started (pid %s) at %s; log %s", self.name, process.pid,
                  self.base_url, self.log_path)
         tail: deque[str] = deque(maxlen=TAIL_LINES)
         assert process.stderr is not None
@@ -163,7 +165,7 @@ class EngineProcess:
                 await asyncio.sleep(_HEALTH_POLL_S)
         self.state = "up"
         self._ready.set()
-        log.info("embedded engine %s is healthy at %s", self.spec.name, self.base_url)
+        log.info("embedded engine %s is healthy at %s", self.name, self.base_url)
 
     @property
     def pid(self) -> int | None:
@@ -200,7 +202,7 @@ class EngineProcess:
                 await asyncio.wait_for(process.wait(), timeout=STOP_GRACE_S)
             except TimeoutError:
                 log.warning("embedded engine %s did not stop within %.0f s of SIGTERM; killing it",
-                            self.spec.name, STOP_GRACE_S)
+                            self.name, STOP_GRACE_S)
                 process.kill()
                 await process.wait()
         await cancel_and_wait(self._supervisor)
@@ -229,7 +231,15 @@ def _line(raw: bytes) -> str:
 
 
 def _launch_key(spec: BackendSpec) -> tuple:
-    return (spec.engine_model_path, spec.engine_port, spec.model, tuple(sorted((spec.engine_args or {}).items())))
+    return (spec.engine_model_path, spec.engine_port, spec.model, tuple(sorted((spec.engine_args or {}).items())),
+            spec.replicas)
+
+
+def _process_names(spec: BackendSpec) -> list[tuple[str, int | None]]:
+    """(process name, replica index): the backend's name alone, or NAME/0 … NAME/N-1 for `replicas: N` > 1."""
+    if (spec.replicas or 1) < 2:
+        return [(spec.name, None)]
+    return [(f"{spec.name}/{i}", i) for i in range(spec.replicas or 1)]
 
 
 class EmbeddedEngines:
@@ -240,17 +250,27 @@ class EmbeddedEngines:
         self._processes: dict[str, EngineProcess] = {}
 
     async def sync(self, policy: Policy) -> dict[str, str]:
-        wanted = {name: spec for name, spec in policy.backends.items()
-                  if spec.kind == "engine" and spec.launch == "embedded"}
+        """Start and stop children to match the policy: {backend name: its URL} (a fleet's: fleet_bases)."""
+        wanted = {process: (spec, replica) for spec in policy.backends.values()
+                  if spec.kind == "engine" and spec.launch == "embedded" for process, replica in _process_names(spec)}
         for name in list(self._processes):
-            if name not in wanted or _launch_key(wanted[name]) != _launch_key(self._processes[name].spec):
+            if name not in wanted or _launch_key(wanted[name][0]) != _launch_key(self._processes[name].spec):
                 await self._processes.pop(name).stop()
-        for name, spec in wanted.items():
+        for name, (spec, replica) in wanted.items():
             if name not in self._processes:
-                process = EngineProcess(spec, self._log_dir)
+                process = EngineProcess(spec, self._log_dir, replica)
                 process.start()
                 self._processes[name] = process
-        return {name: process.base_url for name, process in self._processes.items()}
+        return {name: process.base_url for name, process in self._processes.items() if name == process.spec.name}
+
+    def fleet_bases(self, backend: str) -> list[str] | None:
+        """The URLs of an embedded fleet's replicas (`replicas: N` > 1), in order; None for any other backend."""
+        replicas = self._replicas(backend)
+        return [p.base_url for p in replicas] if replicas else None
+
+    def _replicas(self, backend: str) -> list[EngineProcess]:
+        prefix = backend + "/"
+        return [p for name, p in self._processes.items() if name.startswith(prefix) and p.spec.name == backend]
 
     def processes(self) -> dict[str, EngineProcess]:
         return dict(self._processes)
@@ -259,7 +279,10 @@ class EmbeddedEngines:
         """For an embedded engine that is not serving yet (starting, or restarting after a crash): about when to
         try again. None for any other backend."""
         process = self._processes.get(name)
-        return process.retry_after_s() if process is not None else None
+        if process is None:  # a fleet serves while any replica does (the fleet ejects those not up yet)
+            waits = [p.retry_after_s() for p in self._replicas(name)]
+            return None if not waits or None in waits else min(w for w in waits if w is not None)
+        return process.retry_after_s()
 
     async def wait_ready(self, timeout_s: float) -> dict[str, bool]:
         names = list(self._processes)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
+from gateway import fleet
 from gateway.backends.resilience import BreakerState
 
 if TYPE_CHECKING:
@@ -35,6 +36,8 @@ def backend_states(policy: Policy, breakers: BreakerRegistry, load: EngineLoadMo
     for name, spec in policy.backends.items():
         if name in breakers and breakers[name].state is not BreakerState.CLOSED:
             states[name] = "circuit_open"
+        elif (fleet_up := fleet.serving(name)) is not None:  # an engine fleet: up while a replica is admitted
+            states[name] = "up" if fleet_up else "down"
         elif name in processes and processes[name].state == "starting":
             states[name] = "starting"
         elif spec.kind == "engine" and (

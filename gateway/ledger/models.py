@@ -60,6 +60,8 @@ class RequestRow(Base):
     cache_savings_usd: Mapped[float | None] = mapped_column(Float)  # API rows: what the cached rate saved
     # Stable chargeback (migration 0005): device-seconds at the list rate, whatever the utilisation
     busy_cost_usd: Mapped[float | None] = mapped_column(Float)  # engine rows: gpu_seconds × device_hour_usd / 3600
+    # Engine fleets (migration 0006): the replica that served, its position in the backend's api_bases
+    replica: Mapped[str | None] = mapped_column(String(128))
 
     __table_args__ = (
         Index("ix_requests_created_at", "created_at"),

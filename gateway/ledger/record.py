@@ -97,6 +97,8 @@ class LedgerRecord(SpoolRecord):
     cache_savings_usd: float | None = None  # API rows: cached prompt tokens × (input − cached price)
     # Stable chargeback (migration 0005)
     busy_cost_usd: float | None = None  # engine rows: device seconds at the list rate (no idle share)
+    # Engine fleets (migration 0006): which replica served (its position in the backend's api_bases)
+    replica: str | None = None
 
 
 @dataclass(slots=True)

@@ -21,6 +21,8 @@ EXTRA_COLUMNS: tuple[str, ...] = (
     "device_hour_usd", "device_kind", "utilisation", "cost_note", "cache_savings_usd",
     # migration 0005
     "busy_cost_usd",
+    # migration 0006
+    "replica",
 )
 
 ALL_COLUMNS: tuple[str, ...] = STABLE_COLUMNS + EXTRA_COLUMNS

@@ -35,6 +35,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -85,6 +86,14 @@ class StandinOptions:
     # An upstream that serves chat completions only (llama.cpp, older vLLM, many OpenAI-compatible providers):
     # /v1/completions and /v1/responses answer 404, as those servers do for a path they lack.
     chat_only: bool = False
+    # A prefix cache, as an engine's KV cache (for fleet benchmarks and tests): with prefill_ms_per_token > 0
+    # the prompt's words (each chat message's role, then its words) are cut into blocks of prefix_block_words,
+    # each block's hash chained to the one before; blocks seen before (an LRU of prefix_cache_blocks) are the
+    # answer's cached_tokens, and its first byte waits for the others' prefill, prefill_ms_per_token a word,
+    # one prefill at a time (later requests queue behind it). /metrics then reports requests running.
+    prefill_ms_per_token: float = 0.0
+    prefix_block_words: int = 16
+    prefix_cache_blocks: int = 4096
 
 
 @dataclass(slots=True)
@@ -101,6 +110,8 @@ class StandinStats:
     open_connections: int = 0
     connections_total: int = 0
     in_flight: int = 0
+    prompt_tokens: int = 0  # prefix-cache model: prompt tokens received, and how many of them were cached
+    cached_tokens: int = 0
     last_payload: Any = None
 
 
@@ -111,12 +122,40 @@ class _State:
         self.stats = StandinStats()
         self.seq = 0
         self.connections: set[_Connection] = set()
+        self.prefix: OrderedDict[int, None] = OrderedDict()  # the prefix-cache model's blocks, LRU order
+        self.prefill_free_at = 0.0  # when the prefill queue empties (time.monotonic())
+
+    def prefill_ms(self, payload: dict, kind: str, req: _Request) -> float:
+        """The prefix-cache model (StandinOptions.prefill_ms_per_token): set the request's cached tokens, and
+        return how long its first byte waits (its queue wait plus its uncached words' prefill)."""
+        opts, words = self.options, _prompt_words(payload, kind)
+        size = max(opts.prefix_block_words, 1)
+        cached, h, hit = 0, 0, True
+        for start in range(0, len(words) - len(words) % size, size):
+            h = hash((h, tuple(words[start:start + size])))
+            if hit and h in self.prefix:
+                cached += size
+            else:
+                hit = False
+            self.prefix[h] = None
+            self.prefix.move_to_end(h)
+        while len(self.prefix) > opts.prefix_cache_blocks:
+            self.prefix.popitem(last=False)
+        cached = min(cached, req.prompt)
+        req.usage["prompt_tokens_details"]["cached_tokens"] = cached
+        self.stats.prompt_tokens += req.prompt
+        self.stats.cached_tokens += cached
+        now = time.monotonic()
+        self.prefill_free_at = max(now, self.prefill_free_at) + (len(words) - cached) * opts.prefill_ms_per_token / 1000
+        return (self.prefill_free_at - now) * 1000
 
     def control(self, update: dict) -> None:
         if update.pop("reset", False):
             self.options = dataclasses.replace(self.initial)
             open_now = self.stats.open_connections
             self.stats = StandinStats(open_connections=open_now)
+            self.prefix.clear()
+            self.prefill_free_at = 0.0
         names = {f.name for f in dataclasses.fields(StandinOptions)}
         unknown = set(update) - names
         if unknown:
@@ -138,6 +177,26 @@ def _count_words(value: Any) -> int:
     if isinstance(value, dict):  # a content part {"type": "text", "text": …}
         return _count_words(value.get("text", ""))
     return 0
+
+
+def _words(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return value.split()
+    if isinstance(value, list):
+        return [w for v in value for w in _words(v)]
+    if isinstance(value, dict):
+        return _words(value.get("text", ""))
+    return []
+
+
+def _prompt_words(payload: dict, kind: str) -> list[str]:
+    """The prompt as the prefix-cache model sees it: each chat message's role, then its words."""
+    if kind == "chat":
+        return [w for m in payload.get("messages") or () if isinstance(m, dict)
+                for w in [str(m.get("role")), *_words(m.get("content"))]]
+    if kind == "responses":
+        return _words(payload.get("instructions") or "") + _words(payload.get("input"))
+    return _words(payload.get("prompt", ""))
 
 
 def _prompt_tokens(payload: dict, kind: str) -> int:
@@ -215,6 +274,7 @@ class _Request:
         "model",
         "n",
         "payload",
+        "prefill_ms",
         "prompt",
         "rid",
         "seq",
@@ -249,6 +309,7 @@ class _Request:
         self.stream = bool(payload.get("stream"))
         so = payload.get("stream_options")
         self.include_usage = bool(isinstance(so, dict) and so.get("include_usage"))
+        self.prefill_ms = 0.0  # the prefix-cache model's wait before the first byte
 
     def finish_reason(self) -> str:
         return "length" if "max_tokens" in self.payload or "max_completion_tokens" in self.payload else "stop"
@@ -462,8 +523,10 @@ class _Connection(asyncio.Protocol):
         elif path == "/health":
             self.transport.write(_response(200, b'{"status":"ok"}'))
         elif path == "/metrics" and method == "GET":  # answers the gateway's load monitor: up, no load figures
-            self.transport.write(_response(200, b"# a stand-in: no engine series\nstandin_up 1\n",
-                                           b"text/plain; version=0.0.4"))
+            text = b"# a stand-in: no engine series\nstandin_up 1\n"
+            if self.state.options.prefill_ms_per_token > 0:  # the prefix-cache model: what it is working on
+                text += b"switchyard_engine_requests_running %d\n" % self.state.stats.in_flight
+            self.transport.write(_response(200, text, b"text/plain; version=0.0.4"))
         else:
             self.transport.write(_error(404, f"no route {method} {path}"))
 
@@ -521,7 +584,9 @@ class _Connection(asyncio.Protocol):
             stats.completed += 1
             return
         req = _Request(state, payload, kind)
-        if opts.first_byte_delay_ms or opts.token_delay_ms or opts.drop_after_tokens is not None:
+        if opts.prefill_ms_per_token > 0:
+            req.prefill_ms = state.prefill_ms(payload, kind, req)
+        if opts.first_byte_delay_ms or opts.token_delay_ms or opts.drop_after_tokens is not None or req.prefill_ms:
             self.busy = True
             self._begin()
             asyncio.get_running_loop().create_task(self._answer_slowly(req))
@@ -602,7 +667,7 @@ class _Connection(asyncio.Protocol):
     async def _answer_slowly(self, req: _Request) -> None:
         opts = self.state.options
         try:
-            if await self._sleep_or_lost(opts.first_byte_delay_ms):
+            if await self._sleep_or_lost(opts.first_byte_delay_ms + req.prefill_ms):
                 return
             if not req.stream:
                 self.transport.write(_response(200, req.full_body()))
