@@ -34,7 +34,7 @@ from gateway.backends.base import (
     requesting_usage,
     usage_from_dict,
 )
-from gateway.backends.guard import AnswerRejected, SSELines, is_event_stream, too_large
+from gateway.backends.guard import AnswerRejected, SSELines, is_event_stream
 from gateway.backends.http1 import ConnectFailed, Http1Pool
 from gateway.redact import redact
 
@@ -140,7 +140,7 @@ class EngineBackend(Backend):
         finished = False
         try:
             if resp.status >= 400:
-                raise self._http_error(resp.status, await _read_at_most(resp, _ERROR_BODY_BYTES), resp.headers)
+                raise self._http_error(resp.status, await read_at_most(resp, _ERROR_BODY_BYTES), resp.headers)
             if not is_event_stream(resp.headers.get("content-type")):
                 raise AnswerRejected("malformed", "a stream was asked for and the answer is not text/event-stream "
                                                   f"({resp.headers.get('content-type')!r})")
@@ -225,24 +225,7 @@ class EngineBackend(Backend):
                              retry_after=parse_retry_after(headers.get("retry-after")), backend=self.name)
 
 
-async def _read_within(resp: aiohttp.ClientResponse, limit: int) -> bytes:
-    """The whole body, or AnswerRejected("too_large") as soon as it passes `limit` (nothing more is read)."""
-    if resp.content_length is not None and resp.content_length > limit:
-        resp.close()
-        raise too_large("the answer", limit)
-    parts: list[bytes] = []
-    size = 0
-    async for data in resp.content.iter_any():
-        size += len(data)
-        if size > limit:
-            parts.clear()
-            resp.close()  # the connection is dropped, not drained
-            raise too_large("the answer", limit)
-        parts.append(data)
-    return parts[0] if len(parts) == 1 else b"".join(parts)
-
-
-async def _read_at_most(resp: aiohttp.ClientResponse, limit: int) -> bytes:
+async def read_at_most(resp: aiohttp.ClientResponse, limit: int) -> bytes:
     """The first `limit` bytes of the body (an error answer: the rest is dropped with the connection)."""
     parts: list[bytes] = []
     size = 0

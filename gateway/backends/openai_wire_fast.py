@@ -33,8 +33,9 @@ from gateway.backends.base import (
     requesting_usage,
     usage_from_dict,
 )
-from gateway.backends.engine_backend import _read_at_most, _read_within, parse_retry_after
+from gateway.backends.engine_backend import parse_retry_after, read_at_most
 from gateway.backends.guard import AnswerRejected, SSELines, is_event_stream
+from gateway.backends.http1 import ConnectFailed, Http1Pool
 from gateway.redact import redact
 from gateway.responses_api import END_EVENTS
 
@@ -114,7 +115,9 @@ class OpenAIWireFast:
         self._config, self._responses_config = configs
         self._supported = frozenset(self._config.get_supported_openai_params(model)) - _DROPPED - set(_AS_SENT)
         self._urls = {k: base + p for k, p in _PATHS.items()}
-        self._plain_timeout = aiohttp.ClientTimeout(total=spec.timeout_s, sock_connect=spec.connect_timeout_s)
+        self._base = base
+        self._pool: Http1Pool | None = None  # plain requests (gateway/backends/http1.py); streams: aiohttp
+        self._pool_loop: asyncio.AbstractEventLoop | None = None
         self._stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=spec.connect_timeout_s,
                                                      sock_read=spec.timeout_s)
         self._session: aiohttp.ClientSession | None = None
@@ -152,7 +155,16 @@ class OpenAIWireFast:
         if self._in_flight == 0:
             await self._close_session()
 
+    def _plain_pool(self) -> Http1Pool:
+        loop = asyncio.get_running_loop()
+        if self._pool is None or self._pool_loop is not loop:
+            self._pool = Http1Pool(self._base, self.spec.max_connections, self.spec.connect_timeout_s)
+            self._pool_loop = loop
+        return self._pool
+
     async def _close_session(self) -> None:
+        if self._pool is not None and self._pool_loop is asyncio.get_running_loop():
+            await self._pool.aclose()
         if self._session is not None and not self._session.closed and self._loop is asyncio.get_running_loop():
             await self._session.close()
 
@@ -219,16 +231,14 @@ class OpenAIWireFast:
         data = self.body(payload, endpoint, False)
         self._in_flight += 1
         try:
-            async with self._client().post(self._urls[endpoint], data=data, headers=self._headers(key),
-                                           timeout=self._plain_timeout) as resp:
-                status, headers = resp.status, resp.headers
-                if status >= 400:
-                    content = await _read_at_most(resp, _ERROR_BODY_BYTES)
-                else:
-                    content = await _read_within(resp, self.spec.max_response_bytes)
+            pool = self._plain_pool()
+            status, headers, content = await pool.post(
+                pool.head(_PATHS[endpoint], self._headers(key)), data, timeout_s=self.spec.timeout_s,
+                max_bytes=self.spec.max_response_bytes, error_bytes=_ERROR_BODY_BYTES)
         except AnswerRejected as e:
             raise self.rejected(e) from e
-        except (aiohttp.ClientError, TimeoutError) as e:
+        except (aiohttp.ClientError, TimeoutError, OSError, asyncio.IncompleteReadError,
+                asyncio.LimitOverrunError) as e:
             raise self._transport_error(e) from e
         finally:
             await self._done()
@@ -259,7 +269,7 @@ class OpenAIWireFast:
         finished = False
         try:
             if resp.status >= 400:
-                raise self._http_error(resp.status, await _read_at_most(resp, _ERROR_BODY_BYTES), resp.headers, key)
+                raise self._http_error(resp.status, await read_at_most(resp, _ERROR_BODY_BYTES), resp.headers, key)
             if not is_event_stream(resp.headers.get("content-type")):
                 raise AnswerRejected("malformed", "a stream was asked for and the answer is not text/event-stream "
                                                   f"({resp.headers.get('content-type')!r})")
@@ -320,7 +330,7 @@ class OpenAIWireFast:
                              detail=str(e))
 
     def _transport_error(self, e: BaseException) -> UpstreamError:
-        if isinstance(e, aiohttp.ClientConnectorError):
+        if isinstance(e, aiohttp.ClientConnectorError | ConnectFailed):
             kind, detail = "connect", "Connection error."
         elif isinstance(e, TimeoutError):  # a connect timeout too: litellm's APITimeoutError
             kind, detail = "timeout", "Request timed out."
