@@ -102,7 +102,7 @@ def test_load_past_the_threshold_breaks_affinity(tmp_path: Path) -> None:
     balance = "    balance: {balance_abs_threshold: 1, balance_rel_threshold: 1.5}"
     with ExitStack() as stack:
         urls = [stack.enter_context(run_standin(engine_extension=True, prefill_ms_per_token=0.01,
-                                                first_byte_delay_ms=1500)) for _ in range(3)]
+                                                first_byte_delay_ms=3000)) for _ in range(3)]
         with run_gateway(_policy(urls, balance), tmp_path) as gateway:
             client = _client(gateway)
             first = _conversation(client, "invoices", 1)[0][0]
@@ -119,7 +119,7 @@ def test_load_past_the_threshold_breaks_affinity(tmp_path: Path) -> None:
 def test_default_thresholds_keep_affinity_under_the_same_load(tmp_path: Path) -> None:
     with ExitStack() as stack:
         urls = [stack.enter_context(run_standin(engine_extension=True, prefill_ms_per_token=0.01,
-                                                first_byte_delay_ms=1500)) for _ in range(3)]
+                                                first_byte_delay_ms=3000)) for _ in range(3)]
         with run_gateway(_policy(urls), tmp_path) as gateway:
             client = _client(gateway)
             first = _conversation(client, "invoices", 1)[0][0]
