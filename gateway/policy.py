@@ -316,7 +316,7 @@ _SECTION_MODELS: dict[str, type[BaseModel]] = {"backends": BackendSpec, "routes"
 
 
 _ROUTE_SETTINGS: dict[str, type[BaseModel]] = {"spillover": SpilloverSpec, "idle": IdleSpec, "shadow": ShadowSpec}
-_BACKEND_SETTINGS: dict[str, type[BaseModel]] = {"balance": BalanceSpec}
+_BACKEND_SETTINGS: dict[str, type[BaseModel]] = {"balance": BalanceSpec, "autoscale": AutoscaleSpec}
 
 
 def _model_at(loc: tuple) -> type[BaseModel]:

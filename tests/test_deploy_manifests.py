@@ -153,20 +153,25 @@ def test_environment_variables_are_ones_the_code_reads():
 
 def test_compose_wires_gateways_engines_postgres_and_redis():
     services = _compose()["services"]
-    assert {"postgres", "redis", "migrate", "engine", "gateway"} <= set(services)
+    assert {"postgres", "redis", "migrate", "gateway"} <= set(services)
     gateway = _command_line(services["gateway"]["command"])
-    engine = _command_line(services["engine"]["command"])
-    assert services["gateway"]["deploy"]["replicas"] >= 2 and services["engine"]["deploy"]["replicas"] >= 2
+    assert services["gateway"]["deploy"]["replicas"] >= 2
 
     # the policy the gateways are given is the file mounted at --policy, and it loads
     mounted = {v.split(":")[1]: v.split(":")[0] for v in services["gateway"]["volumes"]}
     policy_file = (DEPLOY / mounted[_flag(gateway, "--policy")]).resolve()
     policy = load_policy(policy_file)
-    # its engine URL names the engine service on the engine's --port, under its --served-model-name
+    # each engine URL names an engine service, on its --port, serving the model under the backend's name
+    urls = [u for b in policy.backends.values() if b.kind == "engine" for u in (b.api_bases or [b.api_base])]
+    assert len(urls) >= 2, "the Compose policy should spread over at least two engines"
     for backend in (b for b in policy.backends.values() if b.kind == "engine"):
-        url = urlsplit(backend.api_base)
-        assert url.hostname in services and url.port == int(_flag(engine, "--port"))
-        assert backend.model == _flag(engine, "--served-model-name")
+        for base in backend.api_bases or [backend.api_base]:
+            url = urlsplit(base)
+            engine = _command_line(services[url.hostname]["command"])
+            assert engine[:3] == ["switchyard", "engine", "serve"]
+            assert url.port == int(_flag(engine, "--port"))
+            assert backend.model == _flag(engine, "--served-model-name")
+            assert services["gateway"]["depends_on"][url.hostname]["condition"] == "service_healthy"
     # the database URL points at the postgres service with its user and database
     env = services["gateway"]["environment"]
     db = urlsplit(env["SWITCHYARD_DATABASE_URL"])
@@ -214,11 +219,19 @@ def test_k8s_ports_policy_and_engine_agree():
     (eng,) = _named("StatefulSet", "engine")["spec"]["template"]["spec"]["containers"]
     eng_argv = _command_line(eng["command"], eng["args"])
     services = {s["metadata"]["name"]: s for s in _of_kind("Service")}
+    engine = _named("StatefulSet", "engine")
+    pods = services[engine["spec"]["serviceName"]]
+    most = {_named("ScaledObject", "engine")["spec"]["maxReplicaCount"],
+            _named("HorizontalPodAutoscaler", "engine")["spec"]["maxReplicas"]}
     for backend in (b for b in policy.backends.values() if b.kind == "engine"):
-        url = urlsplit(backend.api_base)
-        service = services[url.hostname.split(".")[0]]
-        assert url.port in {p["port"] for p in service["spec"]["ports"]}
-        assert url.port == int(_flag(eng_argv, "--port"))
+        # the fleet lists each replica the autoscalers may start, by its StatefulSet name, and no more
+        bases = backend.api_bases or [backend.api_base]
+        assert most == {len(bases)}, f"autoscalers' maximum {most} vs {len(bases)} replicas in api_bases"
+        for i, base in enumerate(bases):
+            url = urlsplit(base)
+            assert url.hostname == f"engine-{i}.{pods['metadata']['name']}"
+            assert url.port in {p["port"] for p in pods["spec"]["ports"]}
+            assert url.port == int(_flag(eng_argv, "--port"))
         assert backend.model == _flag(eng_argv, "--served-model-name")
     # the secrets the pods read are the ones the Secret in gateway.yaml's header creates
     header = (K8S / "gateway.yaml").read_text().split("apiVersion")[0]

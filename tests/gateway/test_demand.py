@@ -181,6 +181,12 @@ def test_bad_autoscale_settings_are_refused(autoscale, problem):
         _spec("demand_bad", autoscale)
 
 
+def test_a_misspelt_autoscale_field_is_named_with_the_right_fix():
+    # the hint comes from autoscale's own fields, not the backend's (was: "did you mean 'capabilities'?")
+    with pytest.raises(PolicyError, match="allowed fields: capacity_tokens_per_s, p95_ttft_ms"):
+        _spec("demand_typo", "{capacity: 3}")
+
+
 def test_autoscale_on_an_api_backend_is_refused():
     text = """
 backends:
