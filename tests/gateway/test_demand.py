@@ -161,6 +161,29 @@ def test_window_slides_and_demand_falls_to_zero():
     assert t.desired_replicas("demand_unit_slide") == 0
 
 
+@pytest.mark.parametrize("tokens_per_s, p95_ttft_ms", [(20.0, 200), (1000.0, 2000), (2000.0, 2500), (5000.0, 1000)])
+def test_desired_replicas_equal_report_capacity_devices(tokens_per_s, p95_ttft_ms, tmp_path):
+    """The gauge and `switchyard report capacity --json` agree for the same rate and TTFT target."""
+    import io
+
+    from gateway.cli import build_parser
+    from gateway.reports import capacity
+
+    clock = Clock()
+    t = DemandTracker(clock, export=False)
+    window = 100
+    spec = _spec("demand_unit_report", f"{{p95_ttft_ms: {p95_ttft_ms}, window_s: {window}}}")
+    per_request = 64  # the curve's own output tokens per request: no time-in-system scaling either side
+    for _ in range(round(tokens_per_s * window / per_request)):
+        t.observe(spec, 128, per_request, 3.0)
+    rate = t.demand("demand_unit_report").output_tok_s
+    argv = ["report", "capacity", "--target-tokens-per-s", repr(rate), "--p95-ttft-ms", str(p95_ttft_ms), "--json",
+            "--database-url", f"sqlite:///{tmp_path / 'none.db'}"]
+    out = io.StringIO()
+    assert capacity.run(build_parser(argv).parse_args(argv), out) == 0
+    assert t.desired_replicas("demand_unit_report") == json.loads(out.getvalue())["devices"]
+
+
 def test_unreachable_ttft_target_is_nan_not_a_guess():
     clock = Clock()
     t = DemandTracker(clock, export=False)
