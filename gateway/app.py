@@ -54,6 +54,7 @@ from gateway.policy_store import PolicyStore
 from gateway.ratelimit import RateLimiter
 from gateway.routing import RoutingRuntime
 from gateway.shadow.runner import ShadowRunner
+from gateway.shared_state import SharedBudgetBook, SharedRateLimiter, SharedState
 from gateway.stage_profile import StageProfileMiddleware
 from gateway.tasks import cancel_and_wait
 from gateway.uptime import UptimeRecorder
@@ -77,6 +78,8 @@ class GatewayConfig:
     banner: str | None = None  # printed once startup is complete (the first-start key and snippet)
     # Larger request bodies get a 413 before they are parsed (env SWITCHYARD_MAX_BODY_BYTES; default 8 MiB).
     max_body_bytes: int = field(default_factory=settings.max_body_bytes)
+    # Replicas share budgets and RPM/TPM windows through this Redis (gateway/shared_state.py); None: this process's own
+    redis_url: str | None = None
 
 
 @dataclass(slots=True)
@@ -91,6 +94,7 @@ class Gateway:
     services: proxy.Services
     uptime_writer: UptimeWriter  # engine_uptime rows (the recorder inside routing.load feeds it)
     policy_versions: PolicyVersionWriter | None = None  # each loaded policy's text, for the reports
+    shared_state: SharedState | None = None  # with --redis-url: the replicas' shared budgets and limits
     started_at: float = field(default_factory=time.time)
 
 
@@ -172,6 +176,11 @@ async def _start(config: GatewayConfig) -> Gateway:
     routing = RoutingRuntime(load=EngineLoadMonitor(uptime=UptimeRecorder(uptime_writer.submit)))
     auth = Authenticator(db_engine, config.master_key)
     budgets = BudgetBook(lambda key_id: _spent_by_key(db_engine, key_id))
+    shared_state = None
+    if config.redis_url:
+        shared_state = SharedState(config.redis_url, lambda key_id: _spent_by_key(db_engine, key_id))
+        await shared_state.start()
+        limiter, budgets = SharedRateLimiter(shared_state), SharedBudgetBook(shared_state)
     shadow = ShadowRunner(pool, breakers, writer,
                           ShadowEvalWriter(config.database_url, config.data_dir / "shadow-spool.jsonl"))
     await shadow.start()
@@ -179,7 +188,7 @@ async def _start(config: GatewayConfig) -> Gateway:
                               limiter=limiter, budgets=budgets, pool=pool, breakers=breakers, ledger=writer,
                               shadow=shadow, max_body_bytes=config.max_body_bytes)
     gw = Gateway(config=config, db_engine=db_engine, embedded=embedded, routing=routing, services=services,
-                 uptime_writer=uptime_writer, policy_versions=policy_versions)
+                 uptime_writer=uptime_writer, policy_versions=policy_versions, shared_state=shared_state)
     await _apply_policy(gw, policy_store.current)
 
     async def on_change(policy: Policy) -> None:
@@ -207,6 +216,8 @@ async def _stop(gw: Gateway) -> None:
         await asyncio.wait({shadow_closed}, timeout=_SHADOW_DRAIN_S)
     await gw.routing.aclose()  # queues each engine's open uptime interval
     await services.auth.aclose()
+    if gw.shared_state is not None:
+        await gw.shared_state.aclose()  # its settles still queued go to Redis (bounded), it leaves the replica set
     writers_s = max(1.0, deadline - loop.time() - _AFTER_WRITERS_S)
     writers = [services.ledger, gw.uptime_writer, *([gw.policy_versions] if gw.policy_versions else [])]
     closing = [services.pool.aclose(), *(writer.close(timeout_s=writers_s) for writer in writers),
@@ -293,13 +304,14 @@ async def health(request: Request) -> Response:
     states = _backend_states(gw)
     unserved = backend_health.unserved_routes(policy, states)
     ledger_health = ledger.health()  # `degraded` while rows only reach the spool: its depth and age
-    degraded = bool(unserved) or ledger_health["status"] != "ok"
+    shared = gw.shared_state.health() if gw.shared_state is not None else {"backend": "local", "status": "local"}
+    degraded = bool(unserved) or ledger_health["status"] != "ok" or shared["status"] == "local_fallback"
     return JSONResponse({"status": "degraded" if degraded else "ok", "policy_version": policy.version,
                          "policy": services.policy_store.status(),  # the file's state, last reload error
                          "backends": states, "unserved_routes": unserved,
                          "engines": backend_health.engine_details(gw.embedded, policy),  # state, last exit
                          "ledger_queue": ledger.queue_depth, "database": ledger.db_available,
-                         "ledger": ledger_health})
+                         "ledger": ledger_health, "shared_state": shared})
 
 
 async def prometheus(request: Request) -> Response:

@@ -4,8 +4,8 @@ Check-and-reserve runs without an await in between, so on one event loop concurr
 cannot overspend (the race LiteLLM users report with check-then-increment). Spend already in
 the ledger is loaded once per key; after that the book is the in-process source of truth.
 A failed or slow load is never cached: the request gets a 503 with Retry-After and the key's
-next request loads again. One book per gateway process: with several replicas, give each key
-one replica's budget or route budgeted keys to one replica (noted as a known limit).
+next request loads again. One book per gateway process: replicas share one book through Redis
+(`serve --redis-url`: gateway/shared_state.py, the same interface).
 """
 from __future__ import annotations
 
@@ -36,6 +36,8 @@ class Reservation:
     key_id: str
     amount_usd: float
     settled: bool = False
+    rid: str = ""  # its id in the shared book (gateway/shared_state.py); "" in a process-local book
+    local: bool = False  # shared book: made while Redis was unreachable, against this replica's share
 
 
 @dataclass(slots=True)
@@ -87,9 +89,10 @@ class BudgetBook:
         if math.isfinite(spent):
             self._accounts.setdefault(key_id, _Account(spent_usd=spent))
 
-    async def reserve(self, key: KeyInfo, estimate_usd: float) -> Reservation | None:
+    async def reserve(self, key: KeyInfo, estimate_usd: float, prompt_tokens: int = 0) -> Reservation | None:
         """Reserve estimate_usd against the key's budget or raise a 429 (503 while its spend cannot be read).
-        None when the key has no budget."""
+        None when the key has no budget. `prompt_tokens`: the request's estimate, for the shared book (its one
+        script also counts the key's RPM/TPM); unused here."""
         if key.budget_usd is None:
             return None
         account = await self._account(key.id)

@@ -42,8 +42,23 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=listen_address.port_arg, default=8000, help="1-65535 (default 8000)")
     p.add_argument("--database-url", default=None,
                    help="sqlite:///… or postgresql://… (env SWITCHYARD_DATABASE_URL; default SQLite under ./data/)")
+    p.add_argument("--redis-url", default=None, metavar="URL",
+                   help="redis://… shared by every gateway replica: one budget and one RPM/TPM window per key "
+                        "across them (env SWITCHYARD_REDIS_URL; default: this process's own)")
+    p.add_argument("--workers", type=_workers_arg, default=1, metavar="N",
+                   help="gateway processes on this port (default 1); N>1 needs --redis-url")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=_lazy("gateway.serve", "serve"))
+
+
+def _workers_arg(text: str) -> int:
+    try:
+        workers = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number from 1 to 64, not {text!r}") from None
+    if not 1 <= workers <= 64:
+        raise argparse.ArgumentTypeError(f"must be from 1 to 64, not {workers}")
+    return workers
 
 
 def _add_keys(sub: argparse._SubParsersAction) -> None:

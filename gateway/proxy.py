@@ -160,7 +160,8 @@ async def _admit(services: Services, request: Request, endpoint: Endpoint, recor
     reservation = await _reserve(services, key, policy, route, decision, body, endpoint, prompt_tokens, record)
     stage_profile.mark("reserve")
     try:  # the rate limits after the budget: a request refused (or failing) from here gives its reservation back
-        services.limiter.admit(key, prompt_tokens)
+        if (shared := services.limiter.admit(key, prompt_tokens)) is not None:
+            await shared  # Redis-shared windows (gateway/shared_state.py): unless the budget's script counted them
         if route.log_prompts:
             record.prompt_text = view.text
         # Shadow evaluation compares answers to chat and completions requests (embeddings have none to judge).
@@ -278,12 +279,12 @@ async def _reserve(services: Services, key: KeyInfo, policy: Policy, route: Rout
         return budgets.reservation_usd(worst, policy.budgets, admission.cap_param(endpoint))
 
     try:
-        return await services.budgets.reserve(key, amount(decision.chain))
+        return await services.budgets.reserve(key, amount(decision.chain), prompt_tokens)
     except APIError as exc:
         if not (route.budget_downgrade and exc.code == "insufficient_quota" and route.easy
                 and decision.chain != [route.easy]):
             raise
-    reservation = await services.budgets.reserve(key, amount([route.easy]))  # the 429 if even that is too much
+    reservation = await services.budgets.reserve(key, amount([route.easy]), prompt_tokens)  # 429 if even that is too much
     decision.chain = [route.easy]
     record.route_reason = "budget"
     return reservation

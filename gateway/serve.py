@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import logging
 import os
@@ -100,6 +101,12 @@ def serve(args: argparse.Namespace) -> int:
     except PolicyError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    try:
+        redis_url = settings.redis_url(getattr(args, "redis_url", None))
+        workers = _workers_allowed(getattr(args, "workers", 1), redis_url, policy)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     try:  # before anything is announced: a port in use is this one line, not a banner and an exit
         sock = listen_address.bind(args.host, args.port)
     except listen_address.BindError as exc:
@@ -124,7 +131,9 @@ def serve(args: argparse.Namespace) -> int:
         # Printed once the gateway (and any embedded engine) is ready, so the snippet works when pasted.
         config = GatewayConfig(policy_path=policy_path, database_url=url, data_dir=settings.data_dir(),
                                master_key=master, banner=banner, migrate_when_reachable=not reachable or
-                               later is not None, on_database_ready=later)
+                               later is not None, on_database_ready=later, redis_url=redis_url)
+        if workers > 1:
+            return _run_workers(config, sock, args.log_level, workers)
         return _run(create_app(config), sock, args.log_level)
     except _StartError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -189,6 +198,59 @@ def _bootstrap_or_defer(url: str) -> str | None | object:
             raise
         log.warning("database unreachable while creating the first admin key: %s", _one_line(exc))
         return _NO_DATABASE
+
+
+def _workers_allowed(workers: int, redis_url: str | None, policy: Policy) -> int:
+    """--workers N: N>1 needs the shared Redis (else each worker keeps its own budgets and windows, and a key gets
+    N times its budget and limits), and no embedded engine (each worker would launch its own on one port)."""
+    if workers <= 1:
+        return 1
+    if redis_url is None:
+        raise ValueError(f"--workers {workers} needs --redis-url (or SWITCHYARD_REDIS_URL): without a shared Redis "
+                         f"each worker keeps its own budgets and RPM/TPM windows, so a key would get {workers}x them")
+    embedded = [name for name, spec in policy.backends.items() if spec.launch == "embedded"]
+    if embedded:
+        raise ValueError(f"--workers {workers} with embedded engines ({', '.join(embedded)}): each worker would "
+                         "launch its own; run the engine apart (`switchyard engine serve`) and point the policy at it")
+    return workers
+
+
+def _run_workers(config, sock: socket.socket, log_level: str, workers: int) -> int:
+    """N gateway processes accepting on the one socket bound above (the kernel spreads the connections), sharing
+    budgets and limits through Redis. Forked before any thread or event loop exists; only this first process
+    prints the banner and makes a deferred admin key. A worker that exits is not restarted (partial: no
+    supervisor); SIGTERM to this process stops them all."""
+    import dataclasses
+    import signal
+    import threading
+    import traceback
+
+    from gateway.app import create_app
+
+    if threading.active_count() > 1:
+        raise _StartError(f"cannot fork {workers} workers: {threading.active_count() - 1} thread(s) already run")
+    quiet = dataclasses.replace(config, banner=None, on_database_ready=None, migrate_when_reachable=False)
+    children = []
+    for _ in range(workers - 1):
+        pid = os.fork()
+        if pid == 0:  # a worker: serve until signalled, never return into the parent's code
+            code = 1
+            try:
+                code = _run(create_app(quiet), sock, log_level)
+            except BaseException:  # noqa: BLE001 - its traceback, then out
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        children.append(pid)
+    try:
+        return _run(create_app(config), sock, log_level)
+    finally:
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        for pid in children:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
 
 
 # At SIGTERM, in-flight requests get DRAIN_S to finish (then they are cut, and their rows say so); the app's own

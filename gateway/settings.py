@@ -23,6 +23,15 @@ def database_url(cli_value: str | None = None) -> str:
     return f"sqlite:///{data_dir() / 'switchyard.db'}"
 
 
+def redis_url(cli_value: str | None = None) -> str | None:
+    """CLI flag, then SWITCHYARD_REDIS_URL; None: budgets and rate limits are this process's own. A URL that is
+    not redis://, rediss:// or unix:// is a ValueError (one line)."""
+    url = cli_value or os.environ.get("SWITCHYARD_REDIS_URL") or None
+    if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError(f"the Redis URL must start with redis://, rediss:// or unix://, not {url.split(':')[0]!r}")
+    return url
+
+
 def master_key() -> str | None:
     return os.environ.get("SWITCHYARD_MASTER_KEY") or None
 
