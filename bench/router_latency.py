@@ -33,8 +33,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from router.dataset import load_labelled
-from router.model import DifficultyModel, seed_files
-from router.train import TrainConfig, fit, train_default_model
+from router.model import DifficultyModel
+from router.train import TrainConfig, fit, seed_files, train_default_model
 
 _PARA = ("The committee reviewed the quarterly figures and noted that operating costs rose by 7.2 percent, "
          "mainly because of energy prices and a delayed migration of the billing system. ")

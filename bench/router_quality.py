@@ -27,7 +27,6 @@ sys.path.insert(0, str(ROOT))
 from router.dataset import LabelledSet, load_labelled
 from router.features import FeatureConfig
 from router.metrics import evaluate, routing_curve
-from router.model import seed_files
 from router.train import (
     DenseScaler,
     Featurized,
@@ -38,6 +37,7 @@ from router.train import (
     fit_logistic,
     inverse_document_frequency,
     labels,
+    seed_files,
 )
 
 Scorer = Callable[[np.ndarray, np.ndarray], np.ndarray]  # (train rows, test rows) -> test scores

@@ -246,7 +246,8 @@ class DifficultyModels:
 
     @staticmethod
     def _load(key: str) -> tuple[DifficultyModel, Path, tuple[int, int] | None]:
-        from router.model import DifficultyModel, default_model_path, load_default_model
+        from router.model import DifficultyModel
+        from router.train import default_model_path, load_default_model
 
         if key:
             path = Path(key)

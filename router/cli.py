@@ -176,8 +176,9 @@ def retrain_from(args: argparse.Namespace, load_set: Callable[[], LabelledSet]) 
     from pathlib import Path
 
     from router.dataset import DataError
-    from router.model import DifficultyModel, default_model_path, load_default_model
+    from router.model import DifficultyModel
     from router.retrain import retrain, table
+    from router.train import default_model_path, load_default_model
 
     if not 0.05 <= args.holdout <= 0.5:
         raise DataError(f"--holdout must be between 0.05 and 0.5, got {args.holdout}")

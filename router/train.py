@@ -13,6 +13,9 @@ measurements behind the default):
 """
 from __future__ import annotations
 
+import hashlib
+import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,7 +25,7 @@ import scipy.sparse as sp
 from router.conversation import parse
 from router.defaults import DEFAULT_C, DEFAULT_LABEL_RULE, LABEL_RULES
 from router.features import DENSE_NAMES, FeatureConfig, dense_features, hashed_indices, weighted_block
-from router.model import DifficultyModel
+from router.model import DifficultyModel, ModelFileError
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,7 +199,6 @@ def fit(requests: list, weak: np.ndarray, strong: np.ndarray, tc: TrainConfig | 
 def train_default_model(path: str | Path) -> DifficultyModel:
     """Train the default model from the project's seed set (router/data/*.jsonl) and save it."""
     from router.dataset import LabelledSet, load_labelled
-    from router.model import seed_files
 
     files = seed_files()
     if not files:
@@ -211,3 +213,45 @@ def train_default_model(path: str | Path) -> DifficultyModel:
     model.save(path)
     return model
 
+
+# ---- the default model ---------------------------------------------------------------------
+
+SEED_DIR = Path(__file__).resolve().parent / "data"
+_default_lock = threading.Lock()
+
+
+def seed_files() -> list[Path]:
+    return sorted(SEED_DIR.glob("*.jsonl"))
+
+
+def _seed_fingerprint() -> str:
+    """Changes whenever the seed set or the training code changes, so a stale cache is retrained."""
+    h = hashlib.sha256()
+    for p in seed_files():
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    here = Path(__file__).resolve().parent
+    for name in ("features.py", "train.py", "conversation.py", "model.py", "defaults.py"):
+        h.update((here / name).read_bytes())
+    return h.hexdigest()[:12]
+
+
+def default_model_path() -> Path:
+    """Where the default model lives: $SWITCHYARD_ROUTER_MODEL if set, else a cache under the data
+    directory keyed by the seed set's fingerprint (trained on first use by load_default_model)."""
+    env = os.environ.get("SWITCHYARD_ROUTER_MODEL")
+    if env:
+        return Path(env)
+    base = Path(os.environ.get("SWITCHYARD_DATA_DIR", "data"))
+    return base / "router" / f"default-{_seed_fingerprint()}.npz"
+
+
+def load_default_model() -> DifficultyModel:
+    """Load the default model, training it from router/data/ first if the cache is missing."""
+    path = default_model_path()
+    with _default_lock:
+        if not path.exists():
+            if os.environ.get("SWITCHYARD_ROUTER_MODEL"):
+                raise ModelFileError(f"{path}: SWITCHYARD_ROUTER_MODEL points to a missing file")
+            train_default_model(path)
+        return DifficultyModel.load(path)

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from router import model as model_module
 from router.conversation import parse
 from router.features import FeatureConfig, dense_features, hashed_indices
-from router.model import DifficultyModel, load_default_model
-from router.train import TrainConfig, fit
+from router.model import DifficultyModel
+from router.train import TrainConfig, fit, load_default_model
 from tests.router import reference_scoring as ref
 from tests.router.conftest import make_rows
 from tests.router.test_router_model import ODD_REQUESTS

@@ -10,8 +10,8 @@ import pytest
 
 from router.conversation import parse
 from router.features import FeatureConfig, dense_features
-from router.model import DifficultyModel, ModelFileError, default_model_path, load_default_model
-from router.train import TrainConfig, featurize, fit, hashed_matrix
+from router.model import DifficultyModel, ModelFileError
+from router.train import TrainConfig, default_model_path, featurize, fit, hashed_matrix, load_default_model
 from tests.router.conftest import make_rows
 
 ODD_REQUESTS = [
