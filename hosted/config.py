@@ -6,6 +6,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# ConfigError lives in the leaf hosted/checkpoint.py (the GGUF reader raises it too); imported from here as always.
+from hosted.checkpoint import ConfigError, is_gguf, resolve_model_path
+
+__all__ = ["ConfigError", "EngineConfig", "ModelConfig"]
+
 # HF architecture name -> our model family. All three share the Llama block; they differ in biases,
 # tied embeddings and defaults, which ModelConfig captures.
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
@@ -18,10 +23,6 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # kernels support (kernels.reference.INT4_GROUP_SIZES, kept here so this module needs no torch).
 QUANTIZATION_SCHEMES = ("int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128)
-
-
-class ConfigError(ValueError):
-    """A checkpoint directory or its config.json cannot be served; the message names what is wrong."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -63,14 +64,12 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
-        """From a HF checkpoint directory, a GGUF file (hosted/gguf_loader.py) or a `package:` reference."""
-        from hosted.models import is_gguf, resolve_model_path
-
+        """From a HF checkpoint directory, a GGUF file (hosted/gguf_reader.py) or a `package:` reference."""
         path = resolve_model_path(model_dir)
         if is_gguf(path):
-            from hosted.gguf_loader import model_config
+            from hosted.gguf_reader import model_config_fields  # gguf is imported only for a GGUF file
 
-            return model_config(path)
+            return cls(**model_config_fields(path))
         if not path.is_dir():
             raise ConfigError(f"model directory {str(path)!r} does not exist or is not a directory")
         cfg_path = path / "config.json"

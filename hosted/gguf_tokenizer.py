@@ -1,4 +1,5 @@
-"""A GGUF file's tokenizer (its `tokenizer.*` metadata) as a `tokenizers.Tokenizer` inside our Tokenizer.
+"""A GGUF file's tokenizer (its `tokenizer.*` metadata) as a `tokenizers.Tokenizer` and the rest of what our
+Tokenizer takes (`Tokenizer.from_gguf` builds it: this module does not import hosted/tokenizer.py back).
 
 A GGUF carries no tokenizer.json; llama.cpp stores the vocabulary, merges, token types, special ids and the
 chat template as metadata. Supported: `tokenizer.ggml.model == "gpt2"` (byte-level BPE), the pre-tokenizers
@@ -17,8 +18,8 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-from hosted.gguf_loader import field, open_gguf
-from hosted.tokenizer import Tokenizer, TokenizerError
+from hosted.checkpoint import TokenizerError
+from hosted.gguf_reader import field, open_gguf
 
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
@@ -30,8 +31,9 @@ _DIGITS_THEN_GPT2 = ("smollm", "starcoder", "refact", "codeshell", "exaone", "mi
 _LLAMA3 = ("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx", "falcon3")
 
 
-def tokenizer_from_gguf(path: str | Path) -> Tokenizer:
-    """Our Tokenizer for a GGUF file: encode/decode, special tokens, EOS ids and the chat template."""
+def tokenizer_args(path: str | Path) -> dict[str, Any]:
+    """Our Tokenizer's arguments for a GGUF file: the `tokenizers` tokenizer (encode/decode), special tokens, EOS
+    ids and the chat templates."""
     reader = open_gguf(path)
     src = str(path)
     embedded = field(reader, "tokenizer.huggingface.json", None)
@@ -58,8 +60,8 @@ def tokenizer_from_gguf(path: str | Path) -> Tokenizer:
         named = field(reader, f"tokenizer.chat_template.{name}", None)
         if named is not None:
             templates[name] = named
-    return Tokenizer(hf_tok, special_tokens=special, chat_templates=templates, eos_token_ids=eos_ids,
-                     name=Path(path).stem)
+    return {"hf_tokenizer": hf_tok, "special_tokens": special, "chat_templates": templates,
+            "eos_token_ids": eos_ids, "name": Path(path).stem}
 
 
 def _byte_level_bpe(reader: Any, src: str) -> HFTokenizer:

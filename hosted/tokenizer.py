@@ -25,13 +25,13 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
+# TokenizerError lives in the leaf hosted/checkpoint.py (the GGUF tokenizer raises it too); imported from here
+# as always.
+from hosted.checkpoint import TokenizerError, is_gguf, resolve_model_path
+
 # The named special tokens transformers passes to every chat template.
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
-
-
-class TokenizerError(ValueError):
-    """The tokenizer files are missing or unusable; the message names the file and the problem."""
 
 
 class ChatTemplateError(ValueError):
@@ -188,17 +188,15 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:
         """The tokenizer a GGUF file's metadata describes (hosted/gguf_tokenizer.py)."""
-        from hosted.gguf_tokenizer import tokenizer_from_gguf
+        from hosted.gguf_tokenizer import tokenizer_args
 
-        return tokenizer_from_gguf(path)
+        return cls(**tokenizer_args(path))
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
         """Load tokenizer.json plus tokenizer_config.json / special_tokens_map.json / chat_template.jinja /
         generation_config.json / config.json from a Hugging Face checkpoint directory. A GGUF file (or a
         `package:` reference, hosted/models) is read with from_gguf."""
-        from hosted.models import is_gguf, resolve_model_path
-
         path = resolve_model_path(model_dir)
         if is_gguf(path):
             return cls.from_gguf(path)

