@@ -178,6 +178,10 @@ def test_compose_wires_gateways_engines_postgres_and_redis():
     pg = services["postgres"]["environment"]
     assert db.hostname == "postgres" and db.username == pg["POSTGRES_USER"] and db.path == "/" + pg["POSTGRES_DB"]
     assert services["gateway"]["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
+    # the replicas share budgets and limits through the redis service
+    redis = urlsplit(_flag(gateway, "--redis-url"))
+    assert redis.hostname == "redis" and (redis.port or 6379) == 6379
+    assert services["gateway"]["depends_on"]["redis"]["condition"] == "service_healthy"
 
 
 # ---------------------------------------------------------------------------------------------- kubernetes
@@ -211,6 +215,11 @@ def test_k8s_ports_policy_and_engine_agree():
     (gw,) = gateway["spec"]["template"]["spec"]["containers"]
     gw_argv = _command_line(gw["command"], gw["args"])
     assert int(_flag(gw_argv, "--port")) == gw["ports"][0]["containerPort"]
+    # the replicas share budgets and limits through the redis Service
+    redis = urlsplit(_flag(gw_argv, "--redis-url"))
+    assert "--workers" not in gw_argv  # one process per pod: Prometheus scrapes every process
+    redis_svc = _named("Service", redis.hostname.split(".")[0])
+    assert (redis.port or 6379) in {p["port"] for p in redis_svc["spec"]["ports"]}
     # the policy file is the ConfigMap mounted where --policy says
     mount = next(m for m in gw["volumeMounts"] if _flag(gw_argv, "--policy").startswith(m["mountPath"] + "/"))
     volume = next(v for v in gateway["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"])
