@@ -10,7 +10,8 @@ import sys
 
 def policy_check(args: argparse.Namespace) -> int:
     """`switchyard policy check FILE`: print a summary and exit 0, or print every problem and exit 1."""
-    from gateway.policy import PolicyError, load_policy, policy_warnings
+    from gateway.policy import PolicyError, load_policy
+    from gateway.policy_warnings import policy_warnings
 
     try:
         policy = load_policy(args.file)

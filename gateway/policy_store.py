@@ -26,7 +26,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from gateway import metrics
-from gateway.policy import Policy, PolicyError, load_policy, policy_warnings
+from gateway.policy import Policy, PolicyError, load_policy
+from gateway.policy_warnings import policy_warnings
 from gateway.tasks import cancel_and_wait, poll_forever
 
 log = logging.getLogger("switchyard.policy")

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from gateway import capabilities
-from gateway.policy import parse_policy, policy_warnings
+from gateway.policy import parse_policy
+from gateway.policy_warnings import policy_warnings
 from gateway.routing import Decision, fit_capabilities
 from openai_wire import APIError
 

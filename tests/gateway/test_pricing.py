@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from gateway.backends.base import Usage
-from gateway.policy import BackendSpec, parse_policy, policy_warnings
+from gateway.policy import BackendSpec, parse_policy
+from gateway.policy_warnings import policy_warnings
 from gateway.pricing import (
     DEFAULT_ENGINE_RESERVE_USD_PER_MTOK,
     UTILISATION_FLOOR,
