@@ -18,6 +18,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "switchyard_kernels.h" /* the declared interface: prototypes, shared structs and constants */
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__linux__)
 #define SY_HAVE_AMX 1
 #include <immintrin.h>
@@ -25,8 +27,9 @@
 #include <unistd.h>
 #endif
 
-/* the strips per tile group (cpu_lowp.c passes its GROUP_BF16): one C tile each, so at most 4 */
+/* the strips per tile group (cpu_lowp.c passes SY_GROUP_BF16): one C tile each, so at most 4 */
 #define MAX_GROUP 4
+_Static_assert(SY_GROUP_BF16 <= MAX_GROUP, "cpu_lowp.c's bf16 tile groups need a C tile per strip");
 #ifndef ROW_CHUNK
 #define ROW_CHUNK 256
 #endif

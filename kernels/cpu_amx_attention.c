@@ -19,6 +19,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "switchyard_kernels.h" /* the declared interface: prototypes, shared structs and constants */
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BF16__) && \
     defined(__linux__)
 #define SY_HAVE_AMX_ATTENTION 1
@@ -31,13 +33,9 @@
 
 #ifdef SY_HAVE_AMX_ATTENTION
 #define UNIT_QUERIES 16
-#define KEY_CHUNK 64 /* positions per softmax step: four 16-position S^T tiles, two 32-position P^T tiles */
-#define MAX_D 256
-
-int sy_amx_ready(void); /* cpu_amx.c */
 
 /* V^T scratch per sequence: positions rounded up to the key chunk, so a chunk's tile never reads past it */
-static int64_t vt_len(int64_t len) { return (len + KEY_CHUNK - 1) / KEY_CHUNK * KEY_CHUNK; }
+static int64_t vt_len(int64_t len) { return (len + SY_AMX_KEY_CHUNK - 1) / SY_AMX_KEY_CHUNK * SY_AMX_KEY_CHUNK; }
 
 typedef float f16v __attribute__((vector_size(64)));
 typedef int32_t i16v __attribute__((vector_size(64)));
@@ -134,10 +132,10 @@ static int unit(const prefill_args *a, int p, int hq, int t0, int rows) {
     const uint16_t *kc = a->k_cache + (int64_t)h * D;
     const int64_t vts = vt_len(len);
     const uint16_t *vt = a->vt + a->vt_off[p] + (int64_t)h * D * vts;
-    uint16_t qt[MAX_D / 2 * UNIT_QUERIES * 2] __attribute__((aligned(64)));
-    uint16_t pt[KEY_CHUNK * UNIT_QUERIES] __attribute__((aligned(64)));
-    float s[KEY_CHUNK * UNIT_QUERIES] __attribute__((aligned(64)));
-    float o[MAX_D * UNIT_QUERIES] __attribute__((aligned(64)));
+    uint16_t qt[SY_MAX_HEAD_DIM / 2 * UNIT_QUERIES * 2] __attribute__((aligned(64)));
+    uint16_t pt[SY_AMX_KEY_CHUNK * UNIT_QUERIES] __attribute__((aligned(64)));
+    float s[SY_AMX_KEY_CHUNK * UNIT_QUERIES] __attribute__((aligned(64)));
+    float o[SY_MAX_HEAD_DIM * UNIT_QUERIES] __attribute__((aligned(64)));
     float pv[64 * UNIT_QUERIES] __attribute__((aligned(64)));
 
     /* Q^T as B tiles: for d pair j, query i: (q[i][2j], q[i][2j + 1]); queries past `rows` are zero */
@@ -151,8 +149,8 @@ static int unit(const prefill_args *a, int p, int hq, int t0, int rows) {
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     __m512 m = neg_inf, l = _mm512_setzero_ps();
 
-    for (int64_t c0 = 0; c0 < kend; c0 += KEY_CHUNK) {
-        const int quarters = kend - c0 >= KEY_CHUNK ? 4 : (int)((kend - c0 + 15) / 16);
+    for (int64_t c0 = 0; c0 < kend; c0 += SY_AMX_KEY_CHUNK) {
+        const int quarters = kend - c0 >= SY_AMX_KEY_CHUNK ? 4 : (int)((kend - c0 + 15) / 16);
         for (int qq = 0; qq < quarters; qq++) {
             const uint16_t *k = cache_row(kc, table, a->num_blocks, a->block_size, a->sb, a->so, c0 + 16 * qq);
             if (!k) return 1;
@@ -170,7 +168,7 @@ static int unit(const prefill_args *a, int p, int hq, int t0, int rows) {
             ON_TILE(qq, S_STORE)
         }
         /* row r is position c0 + r for the 16 queries; query i sees positions <= q_pos0 + i */
-        const int live = (int)(kend - c0 < KEY_CHUNK ? kend - c0 : KEY_CHUNK);
+        const int live = (int)(kend - c0 < SY_AMX_KEY_CHUNK ? kend - c0 : SY_AMX_KEY_CHUNK);
         __m512 row_max = neg_inf;
         for (int r = 0; r < live; r++) {
             const int64_t pos = c0 + r;
@@ -182,12 +180,12 @@ static int unit(const prefill_args *a, int p, int hq, int t0, int rows) {
             _mm512_store_ps(s + r * 16, x);
             row_max = _mm512_max_ps(row_max, x);
         }
-        for (int r = live; r < KEY_CHUNK; r++) _mm512_store_ps(s + r * 16, neg_inf); /* past every query */
+        for (int r = live; r < SY_AMX_KEY_CHUNK; r++) _mm512_store_ps(s + r * 16, neg_inf); /* past every query */
         const __m512 m_new = _mm512_max_ps(m, row_max); /* finite: position 0 is in every query's first chunk */
         const __m512 alpha = exp_nonpos(_mm512_sub_ps(m, m_new));
         m = m_new;
         __m512 sum = _mm512_setzero_ps();
-        for (int r = 0; r < KEY_CHUNK; r += 2) {
+        for (int r = 0; r < SY_AMX_KEY_CHUNK; r += 2) {
             const __m512 e0 = exp_nonpos(_mm512_sub_ps(_mm512_load_ps(s + r * 16), m));
             const __m512 e1 = exp_nonpos(_mm512_sub_ps(_mm512_load_ps(s + (r + 1) * 16), m));
             sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
@@ -247,7 +245,8 @@ int sy_amx_prefill_attention_bf16(const uint16_t *q, int64_t q_st, int64_t q_sh,
                                   int block_size, const int32_t *tables, int64_t table_stride, int64_t table_width,
                                   const int32_t *cu, const int32_t *lens, int P, int Hq, int Hkv, int D, uint16_t *out,
                                   uint16_t *vt, int64_t vt_capacity, int64_t *vt_off, int threads) {
-    if (D % 32 || D > MAX_D || block_size % 16 || Hkv <= 0 || Hq % Hkv || sh != D || !sy_amx_ready()) return 2;
+    if (D % 32 || D > SY_MAX_HEAD_DIM || block_size % 16 || Hkv <= 0 || Hq % Hkv || sh != D || !sy_amx_ready())
+        return 2;
     int64_t total = 0, units = 0;
     for (int p = 0; p < P; p++) {
         const int64_t len = lens[p], n_new = (int64_t)cu[p + 1] - cu[p];

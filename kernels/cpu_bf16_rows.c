@@ -10,6 +10,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "switchyard_kernels.h" /* the declared interface: prototypes, shared structs and constants */
 #include "cpu_bf16.h" /* bf16_round, bf16_widen */
 #include "cpu_exp.h"
 

@@ -16,6 +16,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "switchyard_kernels.h" /* the declared interface: prototypes, shared structs and constants */
 #include "cpu_bf16.h" /* bf16_round, bf16_widen */
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -23,70 +24,6 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-
-/* The kernels of the other two sources (one library): the per-thread parts of the projections and attention
- * (each thread of the step's region runs its share; the step puts the barriers between them) and the
- * single-thread row kernels. */
-void sy_team_decode_attention(const float *q, int64_t q_sb, int64_t q_sh, float scale, const void *k_cache,
-                              const void *v_cache, int is_bf16, int64_t sb, int64_t so, int64_t sh,
-                              int64_t num_blocks, int block_size, const int32_t *tables, int64_t table_stride,
-                              const int32_t *lens, int B, int Hq, int Hkv, int D, float *out, float *scratch,
-                              int64_t scratch_stride, float *parts, int threads, void *team, int t, int nt);
-int64_t sy_team_bytes(void);
-void *sy_team_reset(void *buf);
-void sy_team_barrier(void *team, int nt);
-int64_t sy_decode_attention_parts(int B, int Hq, int Hkv, int D, int threads);
-int sy_decode_attention_shape_ok(int Hq, int Hkv, int D, int block_size, int is_bf16);
-void sy_part_gemm_panels_f32(const float *x, int64_t xs, const float *panels, const float *bias, float *y, int64_t ys,
-                             int M, int64_t N, int64_t K, int t, int nt);
-int sy_rotary_f32(const float *q, int64_t q_st, int64_t q_sh, int Hq, const float *k, int64_t k_st, int64_t k_sh,
-                  int Hkv, int T, int D, const int64_t *pos, const float *cos_sin, int64_t max_position,
-                  float *q_out, float *k_out);
-int sy_store_kv_f32(const float *key, const float *value, int64_t kst, int64_t ksh, int64_t vst, int64_t vsh,
-                    float *k_cache, float *v_cache, int64_t cb, int64_t co, int64_t ch, int64_t num_slots,
-                    int block_size, const int64_t *slots, int T, int H, int D);
-void sy_rms_norm_f32(const float *x, int64_t x_stride, const float *res, int64_t res_stride, const float *w,
-                     float *out, float *new_res, int T, int H, float eps);
-void sy_silu_mul_rows_f32(const float *gu, int64_t gs, float *out, int inter, int r0, int r1);
-int sy_lowp_features(void);
-int sy_quantize_rows_q8(const float *x, int64_t x_stride, int M, int K, void *scratch, int r0, int r1);
-void sy_part_linear_q8(int M, int K, const void *scratch, const uint8_t *w, const float *scales, const float *bias,
-                       float *y, int64_t ys, int64_t N, int t, int nt);
-void sy_part_linear_q4(int M, int K, const void *scratch, const uint8_t *w, const uint16_t *sz, int gs,
-                       const float *bias, float *y, int64_t ys, int64_t N, int t, int nt);
-void sy_part_gemm_bf16(const uint16_t *x, int64_t xs, int M, int K, const uint16_t *w, const float *bias, float *y,
-                       int64_t ys, int64_t N, int t, int nt);
-
-/* Layouts shared with cpu_decode.py (ctypes Structures of the same fields, in the same order). */
-enum { PROJ_F32_PANELS = 1, PROJ_INT8 = 2, PROJ_INT4 = 3, PROJ_BF16 = 4 };
-
-typedef struct {
-    int32_t kind, group_size; /* group_size: int4 only */
-    int64_t n, k;
-    const void *w;     /* fp32 panels, or int8 / int4 / bf16 strips */
-    const void *aux;   /* int8: fp32 scales per row; int4: fp16 (scale, zero) per strip and group; else NULL */
-    const float *bias; /* fp32 (padded to the strips' rows for the strip kinds) or NULL */
-} sy_proj;
-
-typedef struct {
-    const float *input_norm, *post_norm; /* fp32 [hidden] */
-    void *k_cache, *v_cache;             /* [num_blocks, block_size, Hkv, D], fp32 or bf16 */
-    sy_proj qkv, o, gate_up, down;
-} sy_layer;
-
-typedef struct {
-    int32_t num_layers, hidden, num_heads, num_kv_heads, head_dim, inter;
-    float eps, scale;
-    int32_t kv_bf16, block_size;
-    int64_t cache_sb, cache_so, cache_sh, num_blocks; /* cache strides in elements (the same for every layer) */
-    const float *cos_sin;                            /* [max_position, D] fp32 */
-    int64_t max_position;
-    const sy_layer *layers;
-    const float *final_norm; /* fp32 [hidden], or NULL: no head in the plan (the caller projects) */
-    sy_proj head;            /* [vocab rows, hidden]; w NULL when final_norm is */
-} sy_model;
-
-enum { ERR_BLOCK = -1, ERR_TABLE = -3, ERR_POSITION = -4, ERR_SLOT = -5, ERR_NO_HEAD = -7 }; /* (-2, -6 retired) */
 
 static inline int64_t align64(int64_t bytes) { return (bytes + 63) & ~(int64_t)63; }
 
@@ -97,10 +34,12 @@ static void to_bf16(const float *x, int64_t n, uint16_t *out) {
 /* Whether this build runs projection p (its kind's instructions, its shape). */
 static int projection_ok(const sy_proj *p, int features) {
     switch (p->kind) {
-    case PROJ_F32_PANELS: return 1;
-    case PROJ_INT8: return (features & 1) && p->k % 32 == 0;
-    case PROJ_INT4: return (features & 1) && p->group_size > 0 && p->group_size % 32 == 0 && p->k % p->group_size == 0;
-    case PROJ_BF16: return (features & 2) && p->k % 2 == 0;
+    case SY_PROJ_F32_PANELS: return 1;
+    case SY_PROJ_INT8: return (features & SY_FEATURE_VNNI) && p->k % SY_QBLOCK == 0;
+    case SY_PROJ_INT4:
+        return (features & SY_FEATURE_VNNI) && p->group_size > 0 && p->group_size % SY_QBLOCK == 0 &&
+               p->k % p->group_size == 0;
+    case SY_PROJ_BF16: return (features & SY_FEATURE_BF16) && p->k % 2 == 0;
     default: return 0;
     }
 }
@@ -110,9 +49,9 @@ static int projection_ok(const sy_proj *p, int features) {
  * (int8/int4) or 2 * M * K (bf16). */
 static void round_rows(const sy_proj *p, const float *x, int M, int r0, int r1, void *lowp) {
     const int K = (int)p->k;
-    if (p->kind == PROJ_INT8 || p->kind == PROJ_INT4)
+    if (p->kind == SY_PROJ_INT8 || p->kind == SY_PROJ_INT4)
         (void)sy_quantize_rows_q8(x, K, M, K, lowp, r0, r1);
-    else if (p->kind == PROJ_BF16)
+    else if (p->kind == SY_PROJ_BF16)
         to_bf16(x + (int64_t)r0 * K, (int64_t)(r1 - r0) * K, (uint16_t *)lowp + (int64_t)r0 * K);
 }
 
@@ -120,17 +59,17 @@ static void round_rows(const sy_proj *p, const float *x, int M, int r0, int r1, 
 static void project_part(const sy_proj *p, const float *x, int M, float *y, const void *lowp, int t, int nt) {
     const int K = (int)p->k;
     switch (p->kind) {
-    case PROJ_F32_PANELS:
+    case SY_PROJ_F32_PANELS:
         sy_part_gemm_panels_f32(x, K, (const float *)p->w, p->bias, y, p->n, M, p->n, K, t, nt);
         break;
-    case PROJ_INT8:
+    case SY_PROJ_INT8:
         sy_part_linear_q8(M, K, lowp, (const uint8_t *)p->w, (const float *)p->aux, p->bias, y, p->n, p->n, t, nt);
         break;
-    case PROJ_INT4:
+    case SY_PROJ_INT4:
         sy_part_linear_q4(M, K, lowp, (const uint8_t *)p->w, (const uint16_t *)p->aux, p->group_size, p->bias, y,
                           p->n, p->n, t, nt);
         break;
-    case PROJ_BF16:
+    case SY_PROJ_BF16:
         sy_part_gemm_bf16((const uint16_t *)lowp, K, M, K, (const uint16_t *)p->w, p->bias, y, p->n, p->n, t, nt);
         break;
     }
@@ -170,7 +109,7 @@ static sy_buffers carve(const sy_model *m, int B, int max_len, int threads, char
     const int64_t kvd = (int64_t)m->num_kv_heads * m->head_dim;
     int64_t k = H > I ? H : I;
     k = k > qd ? k : qd;
-    const int64_t q8 = B * k + 8 * B * (k / 32) + 64, b16 = 2 * B * k;
+    const int64_t q8 = B * k + 8 * B * (k / SY_QBLOCK) + 64, b16 = 2 * B * k;
     char *at = base ? (char *)(((uintptr_t)base + 63) & ~(uintptr_t)63) : NULL;
     int64_t off = 0;
 #define CARVE(type, bytes) ((type *)next_buffer(at, &off, bytes))
@@ -214,16 +153,16 @@ static int64_t check_step(const sy_model *m, int B, const int64_t *positions, co
     const int64_t num_slots = m->num_blocks * m->block_size;
     *max_len = 1;
     for (int b = 0; b < B; b++) {
-        if (positions[b] < 0 || positions[b] >= m->max_position) return ERR_POSITION;
-        if (slots[b] >= num_slots) return ERR_SLOT;
+        if (positions[b] < 0 || positions[b] >= m->max_position) return SY_ERR_POSITION;
+        if (slots[b] >= num_slots) return SY_ERR_SLOT;
         if (lens[b] > *max_len) *max_len = lens[b];
     }
     for (int b = 0; b < B; b++) {
         const int64_t len = lens[b] > 0 ? lens[b] : 0, nblk = (len + m->block_size - 1) / m->block_size;
-        if (nblk > table_width) return ERR_TABLE;
+        if (nblk > table_width) return SY_ERR_TABLE;
         for (int64_t i = 0; i < nblk; i++) {
             const int32_t blk = tables[b * table_width + i];
-            if (blk < 0 || blk >= m->num_blocks) return ERR_BLOCK;
+            if (blk < 0 || blk >= m->num_blocks) return SY_ERR_BLOCK;
         }
     }
     return 0;
@@ -243,7 +182,7 @@ static inline void row_share(int B, int t, int nt, int *r0, int *r1) {
  * also logits [B, head rows] fp32 = head(final_norm(hidden + residual)); residual then holds that sum.
  * positions, slots int64 [B]; tables int32 [B, table_width]; lens int32 [B] (context including the new token).
  * Returns 0; a positive number of workspace bytes when `workspace_size` is smaller (nothing done); or a
- * negative ERR_* (nothing done: check_step runs first). The plan must have passed sy_decode_plan_ok.
+ * negative SY_ERR_* (nothing done: check_step runs first). The plan must have passed sy_decode_plan_ok.
  * The whole step is one parallel region: each op's share on every thread, a barrier where the next op reads
  * what another thread wrote. A step used to open ~10 regions per layer (300 at 30 layers); each fork and
  * join costs microseconds and the weight stream ramps up again behind it. The barriers are cpu_team.c's, not
@@ -253,7 +192,7 @@ int64_t sy_decode_layers(const sy_model *m, const float *hidden_in, int B, const
                          float *hidden, float *residual, float *logits, void *workspace, int64_t workspace_size,
                          int threads) {
     if (B <= 0) return 0;
-    if (logits && !m->final_norm) return ERR_NO_HEAD;
+    if (logits && !m->final_norm) return SY_ERR_NO_HEAD;
     int max_len;
     const int64_t bad = check_step(m, B, positions, slots, tables, table_width, lens, &max_len);
     if (bad) return bad;
@@ -396,10 +335,8 @@ static int64_t argmax_row(const float *x, int64_t n) {
  * first *done of each row). It also ends after any step once *interrupt (if given) is nonzero: another thread
  * sets it when work arrives that should not wait for the rest of the call. `embed` [vocab, hidden] fp32, or
  * bf16 when embed_bf16 (the model's embedding table); logits [B, head rows] is scratch. The plan needs a head.
- * Returns as sy_decode_layers (0, the workspace bytes needed, or a negative ERR_*), and ERR_TOKEN for a token
+ * Returns as sy_decode_layers (0, the workspace bytes needed, or a negative SY_ERR_*), and SY_ERR_TOKEN for a token
  * outside the table. */
-enum { ERR_TOKEN = -8 };
-
 int64_t sy_decode_greedy(const sy_model *m, const void *embed, int embed_bf16, int64_t vocab, int B,
                          const int64_t *tokens_in, const int64_t *positions_in, const int32_t *tables,
                          int64_t table_width, const int32_t *stop_ids, int n_stop, const int32_t *budget, int steps,
@@ -408,14 +345,14 @@ int64_t sy_decode_greedy(const sy_model *m, const void *embed, int embed_bf16, i
                          int threads) {
     *done = 0;
     if (B <= 0 || steps <= 0) return 0;
-    if (!m->final_norm) return ERR_NO_HEAD;
+    if (!m->final_norm) return SY_ERR_NO_HEAD;
     int64_t pos[B], slots[B], tok[B];
     int32_t lens[B];
     /* Every step's inputs checked before the first runs, so a call that fails writes nothing: the last step's
      * positions and contexts cover all the blocks the earlier ones use (its slots are looked up only later). */
     for (int b = 0; b < B; b++) {
-        if (tokens_in[b] < 0 || tokens_in[b] >= vocab) return ERR_TOKEN;
-        if (positions_in[b] < 0) return ERR_POSITION;
+        if (tokens_in[b] < 0 || tokens_in[b] >= vocab) return SY_ERR_TOKEN;
+        if (positions_in[b] < 0) return SY_ERR_POSITION;
         pos[b] = positions_in[b] + steps - 1;
         lens[b] = (int32_t)(pos[b] + 1);
         slots[b] = -1;

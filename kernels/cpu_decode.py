@@ -24,7 +24,10 @@ from kernels.cpu_native import MAX_BLOCK_ROW, MAX_HEAD_DIM, MAX_Q_HEADS, PackedL
 
 _F32, _BF16, _I32, _I64 = torch.float32, torch.bfloat16, torch.int32, torch.int64
 _P, _I = ctypes.c_void_p, ctypes.c_int32
-_F32_PANELS, _INT8, _INT4, _BF16_STRIPS = 1, 2, 3, 4  # cpu_decode.c's PROJ_*
+# switchyard_kernels.h's SY_PROJ_* and SY_ERR_*; the Structures below mirror its sy_proj, sy_layer, sy_model
+# (tests/kernels/test_kernel_c_interface.py compares all of them with what the compiled library reports).
+_F32_PANELS, _INT8, _INT4, _BF16_STRIPS = 1, 2, 3, 4
+_ERR_BLOCK, _ERR_TABLE, _ERR_POSITION, _ERR_SLOT, _ERR_NO_HEAD, _ERR_TOKEN = -1, -3, -4, -5, -7, -8
 
 
 class _Proj(ctypes.Structure):
@@ -191,17 +194,17 @@ class DecodeStep:
 
 
 def _raise(rc: int, model: _Model, lens: torch.Tensor) -> None:
-    if rc == -1:
+    if rc == _ERR_BLOCK:
         raise ValueError(f"decode step: a block table entry is outside the pool of {model.num_blocks} blocks")
-    if rc == -3:
+    if rc == _ERR_TABLE:
         raise ValueError(f"decode step: context length {int(lens.max())} needs more blocks than the block table has")
-    if rc == -4:
+    if rc == _ERR_POSITION:
         raise IndexError(f"decode step: a position is outside the rotary table of {model.max_position} positions")
-    if rc == -5:
+    if rc == _ERR_SLOT:
         raise IndexError(f"decode step: a slot is beyond the cache's {model.num_blocks * model.block_size} slots")
-    if rc == -7:
+    if rc == _ERR_NO_HEAD:
         raise ValueError("decode step: logits asked of a plan without a head")
-    if rc == -8:
+    if rc == _ERR_TOKEN:
         raise ValueError("decode step: a token id is outside the embedding table")
     raise RuntimeError(f"decode step: a native kernel failed (rc={rc})")
 

@@ -26,6 +26,8 @@
  * core, once; rows of x are walked inside a strip group so a group's weights stay in L1/L2 for prefill. */
 #include <stdint.h>
 #include <string.h>
+
+#include "switchyard_kernels.h" /* the declared interface: prototypes, shared structs and constants */
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -49,16 +51,13 @@
 #include <immintrin.h>
 #endif
 
-#define QBLOCK 32 /* activation quantization block (k values per scale) */
 /* rows of x per register tile: 6 x 2 strips (int8, int4) or 6 x 4 (bf16) ran 24-30% faster than 4 rows at 64-256
  * rows for int8 and bf16, ~6% for int4 (each weight load feeds more rows); batch 1 is unchanged */
 #define ROW_TILE 6
-/* strips per tile group and interleaved in memory (cpu_lowp.py packs with the same widths); int4 strips stay
- * side by side: its decode reads one strip per tile, a single stream either way (and interleaved pairs read
- * one strip at a time measured 10-15% slower) */
-#define GROUP_Q8 2
+/* strips per tile group and interleaved in memory: SY_GROUP_Q8, SY_GROUP_BF16 (cpu_lowp.py packs with the same
+ * widths); int4 strips stay side by side: its decode reads one strip per tile, a single stream either way (and
+ * interleaved pairs read one strip at a time measured 10-15% slower) */
 #define GROUP_Q4 2 /* tile width only */
-#define GROUP_BF16 4
 
 #if defined(SY_INT_KERNELS) || defined(SY_BF16_KERNELS)
 /* Ask for the weight bytes PREFETCH_AHEAD past the `bytes` about to be read: each thread reads NS strips side
@@ -112,21 +111,17 @@ static inline void store_cols2(float *y, __m256 lo, __m256 hi, int ncols) {
 }
 #endif
 
-int sy_amx_ready(void); /* cpu_amx.c */
-
-/* bit 0: int8/int4 kernels, bit 1: bf16 kernels, bit 2: the bf16 ones use AVX512-BF16 dot products (where
- * oneDNN's bf16 GEMM has them too), bit 3: bf16 products go through AMX tiles (CPU, OS and SWITCHYARD_CPU_AMX
- * allowing; read at run time) */
+/* SY_FEATURE_* bits (switchyard_kernels.h); the AMX one read at run time */
 int sy_lowp_features(void) {
-    int f = sy_amx_ready() ? 8 : 0;
+    int f = sy_amx_ready() ? SY_FEATURE_AMX_BF16 : 0;
 #ifdef SY_INT_KERNELS
-    f |= 1;
+    f |= SY_FEATURE_VNNI;
 #endif
 #ifdef SY_BF16_KERNELS
-    f |= 2;
+    f |= SY_FEATURE_BF16;
 #endif
 #ifdef SY_HAVE_BF16
-    f |= 4;
+    f |= SY_FEATURE_AVX512_BF16;
 #endif
     return f;
 }
@@ -140,16 +135,16 @@ static inline int threads_for(int64_t work, int threads) { return work < MIN_PAR
 /* xq [M, K] int8, xs [M, K/32] scales, xsum [M, K/32] = scale * sum of the block's int8 values:
  * x ~ xq * scale per block (round to nearest, |xq| <= 127). K % 32 == 0. */
 static void quantize_rows_q8(const float *x, int64_t x_stride, int M, int K, int8_t *xq, float *xs, float *xsum) {
-    const int nb = K / QBLOCK;
+    const int nb = K / SY_QBLOCK;
     for (int m = 0; m < M; m++)
         for (int b = 0; b < nb; b++) {
-            const float *src = x + (int64_t)m * x_stride + b * QBLOCK;
+            const float *src = x + (int64_t)m * x_stride + b * SY_QBLOCK;
             const __m512 v0 = _mm512_loadu_ps(src), v1 = _mm512_loadu_ps(src + 16);
             const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
             const float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
             const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inv)));
             const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inv)));
-            int8_t *dst = xq + (int64_t)m * K + b * QBLOCK;
+            int8_t *dst = xq + (int64_t)m * K + b * SY_QBLOCK;
             _mm_storeu_si128((__m128i *)dst, _mm512_cvtsepi32_epi8(q0));
             _mm_storeu_si128((__m128i *)(dst + 16), _mm512_cvtsepi32_epi8(q1));
             const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
@@ -163,7 +158,7 @@ static inline __attribute__((always_inline)) void q8_tile(const int8_t *xq, cons
                                                           int K, int MR, int NS, const uint8_t *w, int64_t sst,
                                                           int64_t kst, const float *scales, const float *bias, float *y,
                                                           int64_t ys, int ncols) {
-    const int nb = K / QBLOCK;
+    const int nb = K / SY_QBLOCK;
     __m512 acc[ROW_TILE][4], corr[ROW_TILE];
     for (int r = 0; r < MR; r++) {
         corr[r] = _mm512_setzero_ps();
@@ -173,14 +168,14 @@ static inline __attribute__((always_inline)) void q8_tile(const int8_t *xq, cons
         __m512i dot[ROW_TILE][4];
         for (int r = 0; r < MR; r++)
             for (int s = 0; s < NS; s++) dot[r][s] = _mm512_setzero_si512();
-        const uint8_t *wb = w + (int64_t)b * (QBLOCK / 4) * kst;
-        prefetch_ahead(wb, (QBLOCK / 4) * kst);
-        for (int t = 0; t < QBLOCK / 4; t++) {
+        const uint8_t *wb = w + (int64_t)b * (SY_QBLOCK / 4) * kst;
+        prefetch_ahead(wb, (SY_QBLOCK / 4) * kst);
+        for (int t = 0; t < SY_QBLOCK / 4; t++) {
             __m512i wv[4];
             for (int s = 0; s < NS; s++) wv[s] = _mm512_loadu_si512(wb + s * sst + t * kst);
             for (int r = 0; r < MR; r++) {
                 int32_t x4;
-                memcpy(&x4, xq + (int64_t)r * K + b * QBLOCK + 4 * t, 4);
+                memcpy(&x4, xq + (int64_t)r * K + b * SY_QBLOCK + 4 * t, 4);
                 const __m512i xv = _mm512_set1_epi32(x4);
                 for (int s = 0; s < NS; s++) dot[r][s] = _mm512_dpbusd_epi32(dot[r][s], wv[s], xv);
             }
@@ -209,7 +204,7 @@ static inline __attribute__((always_inline)) void q4_tile(const int8_t *xq, cons
                                                           int K, int MR, int NS, const uint8_t *w, int64_t sst,
                                                           int64_t kst, const uint16_t *sz, int64_t sz_strip, int gs,
                                                           const float *bias, float *y, int64_t ys, int ncols) {
-    const int nb = K / QBLOCK;
+    const int nb = K / SY_QBLOCK;
     const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 acc[ROW_TILE][4];
     for (int r = 0; r < MR; r++)
@@ -218,9 +213,9 @@ static inline __attribute__((always_inline)) void q4_tile(const int8_t *xq, cons
         __m512i dot[ROW_TILE][4];
         for (int r = 0; r < MR; r++)
             for (int s = 0; s < NS; s++) dot[r][s] = _mm512_setzero_si512();
-        const uint8_t *wb = w + (int64_t)b * (QBLOCK / 8) * kst;
-        for (int s = 0; s < (sst == 64 ? 1 : NS); s++) prefetch_ahead(wb + s * sst, (QBLOCK / 8) * kst);
-        for (int t = 0; t < QBLOCK / 8; t++) {
+        const uint8_t *wb = w + (int64_t)b * (SY_QBLOCK / 8) * kst;
+        for (int s = 0; s < (sst == 64 ? 1 : NS); s++) prefetch_ahead(wb + s * sst, (SY_QBLOCK / 8) * kst);
+        for (int t = 0; t < SY_QBLOCK / 8; t++) {
             __m512i lo[4], hi[4];
             for (int s = 0; s < NS; s++) {
                 const __m512i v = _mm512_loadu_si512(wb + s * sst + t * kst);
@@ -229,8 +224,8 @@ static inline __attribute__((always_inline)) void q4_tile(const int8_t *xq, cons
             }
             for (int r = 0; r < MR; r++) {
                 int32_t x0, x1;
-                memcpy(&x0, xq + (int64_t)r * K + b * QBLOCK + 8 * t, 4);
-                memcpy(&x1, xq + (int64_t)r * K + b * QBLOCK + 8 * t + 4, 4);
+                memcpy(&x0, xq + (int64_t)r * K + b * SY_QBLOCK + 8 * t, 4);
+                memcpy(&x1, xq + (int64_t)r * K + b * SY_QBLOCK + 8 * t + 4, 4);
                 const __m512i xv0 = _mm512_set1_epi32(x0), xv1 = _mm512_set1_epi32(x1);
                 for (int s = 0; s < NS; s++) {
                     dot[r][s] = _mm512_dpbusd_epi32(dot[r][s], lo[s], xv0);
@@ -238,7 +233,7 @@ static inline __attribute__((always_inline)) void q4_tile(const int8_t *xq, cons
                 }
             }
         }
-        const int g = b * QBLOCK / gs;
+        const int g = b * SY_QBLOCK / gs;
         for (int s = 0; s < NS; s++) {
             const uint16_t *line = sz + s * sz_strip + g * 32;
             const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)line));
@@ -263,12 +258,12 @@ static inline __attribute__((always_inline)) void q4_tile(const int8_t *xq, cons
 /* AVX2 versions of the three above, same arguments and layouts. Without vpdpbusd a 4-byte dot product is
  * maddubs (u8 x s8 -> pairs summed in int16) then madd with ones (-> int32), as llama.cpp's AVX2 q8_0 path. */
 static void quantize_rows_q8(const float *x, int64_t x_stride, int M, int K, int8_t *xq, float *xs, float *xsum) {
-    const int nb = K / QBLOCK;
+    const int nb = K / SY_QBLOCK;
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int m = 0; m < M; m++)
         for (int b = 0; b < nb; b++) {
-            const float *src = x + (int64_t)m * x_stride + b * QBLOCK;
+            const float *src = x + (int64_t)m * x_stride + b * SY_QBLOCK;
             __m256 v[4], amax = _mm256_setzero_ps();
             for (int i = 0; i < 4; i++) {
                 v[i] = _mm256_loadu_ps(src + 8 * i);
@@ -283,7 +278,7 @@ static void quantize_rows_q8(const float *x, int64_t x_stride, int M, int K, int
             const __m256i total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
             /* packs works per 128-bit lane: the permute puts the 32 values back in order */
             const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-            _mm256_storeu_si256((__m256i *)(xq + (int64_t)m * K + b * QBLOCK), _mm256_permutevar8x32_epi32(p, order));
+            _mm256_storeu_si256((__m256i *)(xq + (int64_t)m * K + b * SY_QBLOCK), _mm256_permutevar8x32_epi32(p, order));
             __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
             s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
             s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
@@ -299,7 +294,7 @@ static inline __attribute__((always_inline)) void q8_tile(const int8_t *xq, cons
                                                           int64_t kst, const float *scales, const float *bias, float *y,
                                                           int64_t ys, int ncols) {
     (void)xsum;
-    const int nb = K / QBLOCK;
+    const int nb = K / SY_QBLOCK;
     const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
     __m256 acc[ROW_TILE][4][2];
     for (int r = 0; r < MR; r++)
@@ -308,8 +303,8 @@ static inline __attribute__((always_inline)) void q8_tile(const int8_t *xq, cons
         __m256i dot[ROW_TILE][4][2];
         for (int r = 0; r < MR; r++)
             for (int s = 0; s < NS; s++) dot[r][s][0] = dot[r][s][1] = _mm256_setzero_si256();
-        const uint8_t *wb = w + (int64_t)b * (QBLOCK / 4) * kst;
-        for (int t = 0; t < QBLOCK / 4; t++) {
+        const uint8_t *wb = w + (int64_t)b * (SY_QBLOCK / 4) * kst;
+        for (int t = 0; t < SY_QBLOCK / 4; t++) {
             __m256i wv[4][2];
             for (int s = 0; s < NS; s++) prefetch_line(wb + s * sst + t * kst);
             for (int s = 0; s < NS; s++)
@@ -318,7 +313,7 @@ static inline __attribute__((always_inline)) void q8_tile(const int8_t *xq, cons
                                                 flip);
             for (int r = 0; r < MR; r++) {
                 int32_t x4;
-                memcpy(&x4, xq + (int64_t)r * K + b * QBLOCK + 4 * t, 4);
+                memcpy(&x4, xq + (int64_t)r * K + b * SY_QBLOCK + 4 * t, 4);
                 const __m256i xv = _mm256_set1_epi32(x4), ax = _mm256_abs_epi8(xv);
                 for (int s = 0; s < NS; s++)
                     for (int h = 0; h < 2; h++)
@@ -351,7 +346,7 @@ static inline __attribute__((always_inline)) void q4_tile(const int8_t *xq, cons
                                                           int K, int MR, int NS, const uint8_t *w, int64_t sst,
                                                           int64_t kst, const uint16_t *sz, int64_t sz_strip, int gs,
                                                           const float *bias, float *y, int64_t ys, int ncols) {
-    const int nb = K / QBLOCK;
+    const int nb = K / SY_QBLOCK;
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     __m256 acc[ROW_TILE][4][2];
     for (int r = 0; r < MR; r++)
@@ -360,9 +355,9 @@ static inline __attribute__((always_inline)) void q4_tile(const int8_t *xq, cons
         __m256i dot[ROW_TILE][4][2];
         for (int r = 0; r < MR; r++)
             for (int s = 0; s < NS; s++) dot[r][s][0] = dot[r][s][1] = _mm256_setzero_si256();
-        const uint8_t *wb = w + (int64_t)b * (QBLOCK / 8) * kst;
-        for (int s = 0; s < (sst == 64 ? 1 : NS); s++) prefetch_ahead(wb + s * sst, (QBLOCK / 8) * kst);
-        for (int t = 0; t < QBLOCK / 8; t++) {
+        const uint8_t *wb = w + (int64_t)b * (SY_QBLOCK / 8) * kst;
+        for (int s = 0; s < (sst == 64 ? 1 : NS); s++) prefetch_ahead(wb + s * sst, (SY_QBLOCK / 8) * kst);
+        for (int t = 0; t < SY_QBLOCK / 8; t++) {
             __m256i lo[4][2], hi[4][2];
             for (int s = 0; s < NS; s++)
                 for (int h = 0; h < 2; h++) {
@@ -372,8 +367,8 @@ static inline __attribute__((always_inline)) void q4_tile(const int8_t *xq, cons
                 }
             for (int r = 0; r < MR; r++) {
                 int32_t x0, x1;
-                memcpy(&x0, xq + (int64_t)r * K + b * QBLOCK + 8 * t, 4);
-                memcpy(&x1, xq + (int64_t)r * K + b * QBLOCK + 8 * t + 4, 4);
+                memcpy(&x0, xq + (int64_t)r * K + b * SY_QBLOCK + 8 * t, 4);
+                memcpy(&x1, xq + (int64_t)r * K + b * SY_QBLOCK + 8 * t + 4, 4);
                 const __m256i xv0 = _mm256_set1_epi32(x0), xv1 = _mm256_set1_epi32(x1);
                 for (int s = 0; s < NS; s++)
                     for (int h = 0; h < 2; h++) {
@@ -383,7 +378,7 @@ static inline __attribute__((always_inline)) void q4_tile(const int8_t *xq, cons
                     }
             }
         }
-        const int g = b * QBLOCK / gs;
+        const int g = b * SY_QBLOCK / gs;
         for (int s = 0; s < NS; s++) {
             const uint16_t *line = sz + s * sz_strip + g * 32;
             for (int h = 0; h < 2; h++) {
@@ -551,18 +546,18 @@ static inline void strip_share(int64_t N, int64_t work, int t, int nt, int64_t *
 static inline void q8_split(void *scratch, int M, int K, int8_t **xq, float **xs, float **xsum) {
     *xq = (int8_t *)scratch;
     *xs = (float *)(((uintptr_t)scratch + (uintptr_t)M * K + 63) & ~(uintptr_t)63);
-    *xsum = *xs + (int64_t)M * (K / QBLOCK);
+    *xsum = *xs + (int64_t)M * (K / SY_QBLOCK);
 }
 
 /* Rows [r0, r1) of fp32 x [M, K] (row stride x_stride) rounded into scratch as sy_part_linear_q8/q4 read them
  * (int8 per block of 32 with a scale). Returns 0, or 2 without VNNI or with K % 32 != 0. */
 int sy_quantize_rows_q8(const float *x, int64_t x_stride, int M, int K, void *scratch, int r0, int r1) {
 #ifdef SY_INT_KERNELS
-    if (K % QBLOCK) return 2;
+    if (K % SY_QBLOCK) return 2;
     int8_t *xq;
     float *xs, *xsum;
     q8_split(scratch, M, K, &xq, &xs, &xsum);
-    const int nb = K / QBLOCK;
+    const int nb = K / SY_QBLOCK;
     quantize_rows_q8(x + (int64_t)r0 * x_stride, x_stride, r1 - r0, K, xq + (int64_t)r0 * K, xs + (int64_t)r0 * nb,
                      xsum + (int64_t)r0 * nb);
     return 0;
@@ -573,7 +568,7 @@ int sy_quantize_rows_q8(const float *x, int64_t x_stride, int M, int K, void *sc
 }
 
 /* y [M, N] (row stride ys) = x dequant(W)^T, x [M, K] as sy_quantize_rows_q8 left it in scratch; W packed int8
- * strips [strips][K/4][64] (K * 16 bytes per strip; groups of GROUP_Q8 interleaved), scales [strips * 16] fp32
+ * strips [strips][K/4][64] (K * 16 bytes per strip; groups of SY_GROUP_Q8 interleaved), scales [strips * 16] fp32
  * and bias [strips * 16] or NULL (both zero-padded past N). Thread t of nt's share. */
 void sy_part_linear_q8(int M, int K, const void *scratch, const uint8_t *w, const float *scales, const float *bias,
                        float *y, int64_t ys, int64_t N, int t, int nt) {
@@ -581,14 +576,14 @@ void sy_part_linear_q8(int M, int K, const void *scratch, const uint8_t *w, cons
     int8_t *xq;
     float *xs, *xsum;
     q8_split((void *)scratch, M, K, &xq, &xs, &xsum);
-    const int64_t strip = (int64_t)K * 16, nb = K / QBLOCK;
+    const int64_t strip = (int64_t)K * 16, nb = K / SY_QBLOCK;
     int64_t first, last;
     strip_share(N, (int64_t)M * N * K / 4, t, nt, &first, &last);
 #define Q8(MR, NS, m0, g0, j, ng, nc)                                                                            \
     q8_tile(xq + (int64_t)(m0)*K, xs + (int64_t)(m0)*nb, xsum + (int64_t)(m0)*nb, K, MR, NS,                   \
             w + (g0)*strip + (j)*64, 64, (ng)*64, scales + ((g0) + (j)) * 16, bias ? bias + ((g0) + (j)) * 16 : NULL,  \
             y + (int64_t)(m0)*ys + ((g0) + (j)) * 16, ys, nc)
-    WALK(GROUP_Q8, GROUP_Q8, Q8, first, last);
+    WALK(SY_GROUP_Q8, SY_GROUP_Q8, Q8, first, last);
 #undef Q8
 #else
     (void)M, (void)K, (void)scratch, (void)w, (void)scales, (void)bias, (void)y, (void)ys, (void)N, (void)t, (void)nt;
@@ -615,7 +610,7 @@ void sy_part_linear_q4(int M, int K, const void *scratch, const uint8_t *w, cons
     int8_t *xq;
     float *xs, *xsum;
     q8_split((void *)scratch, M, K, &xq, &xs, &xsum);
-    const int64_t strip = (int64_t)K * 8, sz_strip = (int64_t)(K / gs) * 32, nb = K / QBLOCK;
+    const int64_t strip = (int64_t)K * 8, sz_strip = (int64_t)(K / gs) * 32, nb = K / SY_QBLOCK;
     int64_t first, last;
     strip_share(N, (int64_t)M * N * K / 8, t, nt, &first, &last);
 #define Q4(MR, NS, m0, g0, j, ng, nc)                                                                            \
@@ -637,7 +632,7 @@ void sy_part_linear_q4(int M, int K, const void *scratch, const uint8_t *w, cons
 
 int sy_linear_q4(const float *x, int64_t x_stride, int M, int K, void *scratch, const uint8_t *w, const uint16_t *sz,
                  int gs, const float *bias, float *y, int64_t ys, int64_t N, int threads) {
-    if (gs <= 0 || gs % QBLOCK || K % gs || sy_quantize_rows_q8(x, x_stride, M, K, scratch, 0, M)) return 2;
+    if (gs <= 0 || gs % SY_QBLOCK || K % gs || sy_quantize_rows_q8(x, x_stride, M, K, scratch, 0, M)) return 2;
     threads = threads_for((int64_t)M * N * K / 8, threads);
 #define PART(t, nt) sy_part_linear_q4(M, K, scratch, w, sz, gs, bias, y, ys, N, t, nt)
     ON_THREADS(threads, PART);
@@ -645,12 +640,8 @@ int sy_linear_q4(const float *x, int64_t x_stride, int M, int K, void *scratch, 
     return 0;
 }
 
-/* cpu_amx.c: the same product through AMX tiles where the CPU and the OS allow them (1: done, 0: not done) */
-int sy_amx_part_bf16(const uint16_t *x, int64_t xs, int M, int K, const uint16_t *w, int group, const float *bias,
-                     float *y, int64_t ys, int64_t N, int64_t first, int64_t last);
-
 /* y [M, N] fp32 (row stride ys) = x W^T (+ bias fp32); x bf16 [M, K] (row stride xs, in elements); W packed bf16
- * strips [strips][K/2][32] (K * 16 elements per strip, GROUP_BF16). K even. Thread t of nt's share. */
+ * strips [strips][K/2][32] (K * 16 elements per strip, SY_GROUP_BF16). K even. Thread t of nt's share. */
 void sy_part_gemm_bf16(const uint16_t *x, int64_t xs, int M, int K, const uint16_t *w, const float *bias, float *y,
                        int64_t ys, int64_t N, int t, int nt) {
 #ifdef SY_BF16_KERNELS
@@ -658,11 +649,11 @@ void sy_part_gemm_bf16(const uint16_t *x, int64_t xs, int M, int K, const uint16
     int64_t first, last;
     strip_share(N, work, t, nt, &first, &last);
     /* AMX at every row count: at batch 1 it reads the weights as fast as the strips (measured) */
-    if (sy_amx_part_bf16(x, xs, M, K, w, GROUP_BF16, bias, y, ys, N, first, last)) return;
+    if (sy_amx_part_bf16(x, xs, M, K, w, SY_GROUP_BF16, bias, y, ys, N, first, last)) return;
 #define BF(MR, NS, m0, g0, j, ng, nc)                                                                            \
     bf16_tile(x + (int64_t)(m0)*xs, xs, K, MR, NS, w + (g0)*strip + (j)*32, (ng)*32,                             \
               bias ? bias + ((g0) + (j)) * 16 : NULL, y + (int64_t)(m0)*ys + ((g0) + (j)) * 16, ys, nc)
-    WALK(GROUP_BF16, GROUP_BF16, BF, first, last);
+    WALK(SY_GROUP_BF16, SY_GROUP_BF16, BF, first, last);
 #undef BF
 #else
     (void)x, (void)xs, (void)M, (void)K, (void)w, (void)bias, (void)y, (void)ys, (void)N, (void)t, (void)nt;

@@ -15,14 +15,11 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "switchyard_kernels.h" /* the declared interface: prototypes, shared structs and constants */
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-
-/* cpu_team.c: the decode step's barriers and shared loop counter */
-void sy_team_barrier(void *team, int nt);
-int sy_team_next(void *team);
-void sy_team_rewind(void *team);
 
 typedef float v16 __attribute__((vector_size(64), aligned(4))); /* 16 floats; unaligned loads allowed */
 typedef int32_t i16 __attribute__((vector_size(64)));
@@ -37,9 +34,6 @@ typedef int32_t i16 __attribute__((vector_size(64)));
 #define SHUF(a, b, ...) __builtin_shuffle(a, b, (i16){__VA_ARGS__})
 #endif
 
-#define MAX_Q_HEADS 128
-#define MAX_HEAD_DIM 256
-#define MAX_BLOCK_ROW 16384 /* block_size * Hkv * D values converted per block for bf16 caches */
 #define MAX_CHUNKS 16       /* parts one sequence's attention is split into across threads */
 
 static inline v16 ld(const float *p) { return *(const v16 *)p; }
@@ -387,8 +381,8 @@ static int decode_seq(const float *q, int64_t q_sh, float scale, const void *kc,
                       int64_t sb, int64_t so, int64_t sh, const int32_t *table, int64_t num_blocks, int block_size,
                       int len, int Hq, int Hkv, int D, float *scores, float *out, float *stats,
                       int ask_all) {
-    float acc[MAX_Q_HEADS * MAX_HEAD_DIM] __attribute__((aligned(64)));
-    float conv[MAX_BLOCK_ROW] __attribute__((aligned(64)));
+    float acc[SY_MAX_Q_HEADS * SY_MAX_HEAD_DIM] __attribute__((aligned(64)));
+    float conv[SY_MAX_BLOCK_ROW] __attribute__((aligned(64)));
     const int G = Hq / Hkv, CH = D / 16, GT = tile_of(CH);
     const int nblk = (len + block_size - 1) / block_size, ld_s = (len + 15) & ~15;
     for (int i = 0; i < nblk; i++)
@@ -417,7 +411,7 @@ static int decode_seq(const float *q, int64_t q_sh, float scale, const void *kc,
     }
     prefetch_block(vc, elem, table[0], sb, so, sh, NEXT_ROWS(0), Hkv, D, 0);
     /* softmax over t, per head; the score rows are padded to a multiple of 16 (pad: -inf -> exp 0) */
-    float inv[MAX_Q_HEADS];
+    float inv[SY_MAX_Q_HEADS];
     for (int j = 0; j < Hq; j++) {
         float *sj = scores + (int64_t)j * ld_s;
         for (int t = len; t < ld_s; t++) sj[t] = -INFINITY;
@@ -554,8 +548,8 @@ static void merge_pair(const attn_plan *pl, const attn_args *a, int pair) {
 }
 
 static int attention_shape_ok(int Hq, int Hkv, int D, int block_size, int is_bf16) {
-    return !(D % 16 || D < 16 || D > MAX_HEAD_DIM || Hq > MAX_Q_HEADS || Hkv <= 0 || Hq % Hkv ||
-             (is_bf16 && (int64_t)block_size * Hkv * D > MAX_BLOCK_ROW));
+    return !(D % 16 || D < 16 || D > SY_MAX_HEAD_DIM || Hq > SY_MAX_Q_HEADS || Hkv <= 0 || Hq % Hkv ||
+             (is_bf16 && (int64_t)block_size * Hkv * D > SY_MAX_BLOCK_ROW));
 }
 
 int sy_decode_attention_shape_ok(int Hq, int Hkv, int D, int block_size, int is_bf16) {
@@ -694,24 +688,23 @@ void sy_linear_f32(const float *x, int64_t x_stride, const float *w, int64_t w_s
 }
 
 /* ---- panel GEMM ----
- * W [N, K] is stored once as panels of PANEL_N output features: panel p holds W[p*PANEL_N + j, k] at
+ * W [N, K] is stored once as panels of SY_PANEL_N output features: panel p holds W[p*SY_PANEL_N + j, k] at
  * [p][k][j] (zero past N), so one k step of a panel is three contiguous vectors. A register tile of up to
  * PANEL_M rows of x times the panel's 48 columns keeps 24 accumulators in registers: per k, 3 vector loads
  * and PANEL_M broadcasts feed 3 * PANEL_M FMAs. Each thread walks a contiguous range of panels and, while
  * computing one, prefetches the next into L2: at decode batch sizes the weights come from DRAM every step
  * and that stream must overlap the arithmetic (oneDNN's packed GEMM did not: 210 vs 320 GFLOPS at 64 rows
  * with cold weights on the SmolLM-135M shapes, measured here). */
-#define PANEL_N 48
 #define PANEL_M 8
 #define PANEL_ROW_TILES 16 /* 128 rows of x: 288 KiB at K = 576 */
 
 void sy_pack_panels_f32(const float *w, int64_t w_stride, int64_t N, int64_t K, float *out) {
-    const int64_t panels = (N + PANEL_N - 1) / PANEL_N;
+    const int64_t panels = (N + SY_PANEL_N - 1) / SY_PANEL_N;
     for (int64_t p = 0; p < panels; p++)
         for (int64_t k = 0; k < K; k++) {
-            float *o = out + (p * K + k) * PANEL_N;
-            for (int j = 0; j < PANEL_N; j++) {
-                const int64_t n = p * PANEL_N + j;
+            float *o = out + (p * K + k) * SY_PANEL_N;
+            for (int j = 0; j < SY_PANEL_N; j++) {
+                const int64_t n = p * SY_PANEL_N + j;
                 o[j] = n < N ? w[n * w_stride + k] : 0.0f;
             }
         }
@@ -728,7 +721,7 @@ static inline __attribute__((always_inline)) void panel_tile(const float *x, int
         for (int c = 0; c < 3; c++) a[i][c] = (v16){0};
     const int64_t per_k = (pf_lines + K - 1) / (K > 0 ? K : 1);
     for (int64_t k = 0; k < K; k++) {
-        const float *wk = panel + k * PANEL_N;
+        const float *wk = panel + k * SY_PANEL_N;
         const v16 w0 = ld(wk), w1 = ld(wk + 16), w2 = ld(wk + 32);
         for (int64_t l = 0; l < per_k && pf_lines > 0; l++, pf_lines--, pf += 64) __builtin_prefetch(pf, 0, 2);
         for (int i = 0; i < PANEL_M; i++)
@@ -740,7 +733,7 @@ static inline __attribute__((always_inline)) void panel_tile(const float *x, int
             }
     }
     for (int i = 0; i < mr; i++) {
-        float row[PANEL_N] __attribute__((aligned(64)));
+        float row[SY_PANEL_N] __attribute__((aligned(64)));
         *(v16 *)row = a[i][0];
         *(v16 *)(row + 16) = a[i][1];
         *(v16 *)(row + 32) = a[i][2];
@@ -768,7 +761,7 @@ static inline __attribute__((always_inline)) void panel_tile_narrow(const float 
     for (int i = 0; i < 2; i++)
         for (int c = 0; c < 6; c++) a[i][c] = (v8){0};
     for (int64_t k = 0; k < K; k++) {
-        const float *wk = panel + k * PANEL_N;
+        const float *wk = panel + k * SY_PANEL_N;
         for (int64_t l = 0; l < per_k && pf_lines > 0; l++, pf_lines--, pf += 64) __builtin_prefetch(pf, 0, 2);
         for (int i = 0; i < mr; i++) {
             const float xv = x[i * xs + k];
@@ -776,7 +769,7 @@ static inline __attribute__((always_inline)) void panel_tile_narrow(const float 
         }
     }
     for (int i = 0; i < mr; i++) {
-        float row[PANEL_N];
+        float row[SY_PANEL_N];
         for (int c = 0; c < 6; c++) *(v8 *)(row + 8 * c) = a[i][c];
         float *yr = y + i * ys;
         if (bias)
@@ -805,7 +798,7 @@ static inline __attribute__((always_inline)) void panel_tile(const float *x, int
             for (int i = 0; i < 4; i++)
                 for (int c = 0; c < 3; c++) a[i][c] = (v8){0};
             for (int64_t k = 0; k < K; k++) {
-                const float *wk = panel + k * PANEL_N + c0;
+                const float *wk = panel + k * SY_PANEL_N + c0;
                 const v8 w0 = *(const v8 *)wk, w1 = *(const v8 *)(wk + 8), w2 = *(const v8 *)(wk + 16);
                 for (int64_t l = 0; l < per_k && pf_lines > 0; l++, pf_lines--, pf += 64) __builtin_prefetch(pf, 0, 2);
                 for (int i = 0; i < 4; i++)
@@ -850,13 +843,13 @@ int sy_panel_vector_bits(void) {
  * ~5% behind oneDNN in the engine). Rows go in blocks of PANEL_ROW_TILES tiles so that a block of x stays
  * in L2 while the panels pass over it. Each output element is one k-ordered sum, whatever the split. */
 static inline int panel_threads(int M, int64_t N, int64_t K, int threads) {
-    return (int64_t)M * N * K < 65536 || (N + PANEL_N - 1) / PANEL_N < 2 ? 1 : threads;
+    return (int64_t)M * N * K < 65536 || (N + SY_PANEL_N - 1) / SY_PANEL_N < 2 ? 1 : threads;
 }
 
 /* Thread t of nt's share of sy_gemm_panels_f32 (the native decode step calls it inside its parallel region). */
 void sy_part_gemm_panels_f32(const float *x, int64_t xs, const float *panels, const float *bias, float *y, int64_t ys,
                              int M, int64_t N, int64_t K, int t, int nt) {
-    const int64_t num_panels = (N + PANEL_N - 1) / PANEL_N, panel_floats = K * PANEL_N;
+    const int64_t num_panels = (N + SY_PANEL_N - 1) / SY_PANEL_N, panel_floats = K * SY_PANEL_N;
     const int64_t panel_lines = panel_floats * 4 / 64;
     const int row_tiles = (M + PANEL_M - 1) / PANEL_M;
     nt = panel_threads(M, N, K, nt);
@@ -870,8 +863,8 @@ void sy_part_gemm_panels_f32(const float *x, int64_t xs, const float *panels, co
         const int r1 = r0 + PANEL_ROW_TILES < r_last ? r0 + PANEL_ROW_TILES : r_last;
         for (int64_t p = p_first; p < p_last; p++) {
             const float *panel = panels + p * panel_floats;
-            const int ncols = N - p * PANEL_N < PANEL_N ? (int)(N - p * PANEL_N) : PANEL_N;
-            const float *b = bias ? bias + p * PANEL_N : NULL;
+            const int ncols = N - p * SY_PANEL_N < SY_PANEL_N ? (int)(N - p * SY_PANEL_N) : SY_PANEL_N;
+            const float *b = bias ? bias + p * SY_PANEL_N : NULL;
             /* the next panel is prefetched in equal shares over this block's row tiles */
             const int64_t share = p + 1 < p_last ? (panel_lines + (r1 - r0) - 1) / (r1 - r0) : 0;
             for (int r = r0; r < r1; r++) {
@@ -880,7 +873,7 @@ void sy_part_gemm_panels_f32(const float *x, int64_t xs, const float *panels, co
                 const int64_t lines = done >= panel_lines ? 0 : done + share > panel_lines ? panel_lines - done
                                                                                             : share;
                 const char *pf = (const char *)(panel + panel_floats) + done * 64;
-                float *yt = y + (int64_t)m0 * ys + p * PANEL_N;
+                float *yt = y + (int64_t)m0 * ys + p * SY_PANEL_N;
                 if (mr == PANEL_M) /* literal row count: the full tile's loop is fully unrolled */
                     panel_tile(x + (int64_t)m0 * xs, xs, panel, K, PANEL_M, yt, ys, ncols, b, pf, lines);
                 else

@@ -32,15 +32,19 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kernels import native_interface
+
 log = logging.getLogger(__name__)
 
 # cpu_lowp.c: the bf16 / int8 / int4 projections (kernels/cpu_lowp.py wraps them); cpu_decode.c: a whole decode
 # step's layers in one call over these kernels (kernels/cpu_decode.py); cpu_team.c: that step's barriers.
 # cpu_amx_attention.c: bf16 prefill attention on AMX tiles. Headers are hashed with the sources, not compiled alone.
-# cpu_bf16_rows.c: the bf16 RMSNorm / rotary / SiLU-and-multiply of the per-op forward.
+# cpu_bf16_rows.c: the bf16 RMSNorm / rotary / SiLU-and-multiply of the per-op forward. cpu_abi.c: the layout the
+# build compiled (sizes, offsets, constants), for tests. switchyard_kernels.h: what they all share (prototypes,
+# structs, constants), read by kernels/native_interface.py for the ctypes signatures.
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_native.c", "cpu_lowp.c", "cpu_amx.c", "cpu_amx_attention.c",
-                                                            "cpu_bf16_rows.c", "cpu_decode.c", "cpu_team.c"))
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_exp.h", "cpu_bf16.h"))
+                                                            "cpu_bf16_rows.c", "cpu_decode.c", "cpu_team.c", "cpu_abi.c"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("switchyard_kernels.h", "cpu_exp.h", "cpu_bf16.h"))
 # Small-M linear: above this many rows MKL's GEMM wins (measured on the SmolLM-135M shapes).
 LINEAR_MAX_ROWS = 4
 _FLAGS = ["-O3", "-shared", "-fPIC", "-std=gnu11"]
@@ -132,7 +136,10 @@ def _resolve() -> tuple[ctypes.CDLL | None, str]:
         except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
             errors.append(str(exc).strip().splitlines()[-1] if str(exc).strip() else repr(exc))
             continue
-        _declare(lib)
+        try:
+            native_interface.declare(lib)
+        except (RuntimeError, ValueError) as exc:  # a header the build does not match, or outside its format
+            return None, str(exc)
         lib.sy_amx_enable(int(amx_enabled()))
         log.info("native CPU kernels: %s (%s)", path, " ".join(flags))
         return lib, ""
@@ -178,64 +185,13 @@ def _cpu_identity() -> str:
     return platform.machine() + "\n" + "\n".join(sorted(lines.values()))
 
 
-def _declare(lib: ctypes.CDLL) -> None:
-    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    lib.sy_decode_attention.argtypes = [p, i64, i64, f32, p, p, i32, i64, i64, i64, i64, i32, p, i64, i64, p, i32,
-                                        i32, i32, i32, p, p, i64, i32]
-    lib.sy_decode_attention.restype = i32
-    lib.sy_prefill_attention.argtypes = [p, i64, i64, f32, p, p, i32, i64, i64, i64, i64, i32, p, i64, i64, p, p,
-                                         i32, i32, i32, i32, p, p, i64, i32]
-    lib.sy_prefill_attention.restype = i32
-    lib.sy_rms_norm_bf16.argtypes = [p, i64, p, i64, p, p, p, i32, i32, f32, i32]
-    lib.sy_rms_norm_bf16.restype = None
-    lib.sy_rotary_bf16.argtypes = [p, i64, i64, i32, p, i64, i64, i32, i32, i32, p, p, i64, p, p]
-    lib.sy_rotary_bf16.restype = i32
-    lib.sy_silu_mul_bf16.argtypes = [p, i64, p, i32, i32, i32]
-    lib.sy_silu_mul_bf16.restype = None
-    lib.sy_amx_prefill_attention_bf16.argtypes = [p, i64, i64, f32, p, p, i64, i64, i64, i64, i32, p, i64, i64, p, p,
-                                                  i32, i32, i32, i32, p, p, i64, p, i32]
-    lib.sy_amx_prefill_attention_bf16.restype = i32
-    lib.sy_linear_f32.argtypes = [p, i64, p, i64, p, p, i64, i32, i64, i64, i32]
-    lib.sy_linear_f32.restype = None
-    lib.sy_rotary_f32.argtypes = [p, i64, i64, i32, p, i64, i64, i32, i32, i32, p, p, i64, p, p]
-    lib.sy_rotary_f32.restype = i32
-    lib.sy_store_kv_f32.argtypes = [p, p, i64, i64, i64, i64, p, p, i64, i64, i64, i64, i32, p, i32, i32, i32]
-    lib.sy_store_kv_f32.restype = i32
-    lib.sy_rms_norm_f32.argtypes = [p, i64, p, i64, p, p, p, i32, i32, f32]
-    lib.sy_rms_norm_f32.restype = None
-    lib.sy_silu_mul_f32.argtypes = [p, i64, p, i32, i32, i32]
-    lib.sy_silu_mul_f32.restype = None
-    lib.sy_pack_panels_f32.argtypes = [p, i64, i64, i64, p]
-    lib.sy_pack_panels_f32.restype = None
-    lib.sy_gemm_panels_f32.argtypes = [p, i64, p, p, p, i64, i32, i64, i64, i32]
-    lib.sy_gemm_panels_f32.restype = None
-    lib.sy_panel_vector_bits.argtypes = []
-    lib.sy_panel_vector_bits.restype = i32
-    lib.sy_amx_enable.argtypes = [i32]
-    lib.sy_amx_enable.restype = None
-    lib.sy_lowp_features.argtypes = []
-    lib.sy_lowp_features.restype = i32
-    lib.sy_linear_q8.argtypes = [p, i64, i32, i32, p, p, p, p, p, i64, i64, i32]
-    lib.sy_linear_q8.restype = i32
-    lib.sy_linear_q4.argtypes = [p, i64, i32, i32, p, p, p, i32, p, p, i64, i64, i32]
-    lib.sy_linear_q4.restype = i32
-    lib.sy_gemm_bf16.argtypes = [p, i64, i32, i32, p, p, p, i64, i64, i32]
-    lib.sy_gemm_bf16.restype = i32
-    lib.sy_decode_layers.argtypes = [p, p, i32, p, p, p, i64, p, p, p, p, p, i64, i32]
-    lib.sy_decode_layers.restype = i64
-    lib.sy_decode_greedy.argtypes = [p, p, i32, i64, i32, p, p, p, i64, p, i32, p, i32, p, p, p, p, p, p, p, p, i64,
-                                     i32]
-    lib.sy_decode_greedy.restype = i64
-    lib.sy_decode_plan_ok.argtypes = [p]
-    lib.sy_decode_plan_ok.restype = i32
-
-
 # --------------------------------------------------------------------------- wrappers
 # Each returns None (or False) when it cannot take the call, and the caller (kernels.ops) uses the torch
 # reference instead. They are on the per-layer path of every decode step, so checks are kept to what
 # memory safety needs; the C side re-checks indices against the pool.
 
-MAX_Q_HEADS, MAX_HEAD_DIM, MAX_BLOCK_ROW = 128, 256, 16384  # as in cpu_native.c
+# switchyard_kernels.h's SY_MAX_Q_HEADS, SY_MAX_HEAD_DIM, SY_MAX_BLOCK_ROW (tests compare them with the build's)
+MAX_Q_HEADS, MAX_HEAD_DIM, MAX_BLOCK_ROW = 128, 256, 16384
 _F32, _BF16, _I32, _I64 = torch.float32, torch.bfloat16, torch.int32, torch.int64
 
 
@@ -381,6 +337,7 @@ def _raise_prefill_error(rc: int, num_blocks: int, table_width: int) -> None:
 # V^T scratch of one AMX prefill-attention call: a batch's sequences go through the kernel in groups whose V^T fits
 # in this many bytes (a longer sequence alone), so long cached prefixes never make one call allocate gigabytes.
 AMX_PREFILL_SCRATCH_BYTES = 64 << 20
+AMX_KEY_CHUNK = 64  # SY_AMX_KEY_CHUNK: the kernel's V^T holds each sequence's positions rounded up to it
 
 
 def _amx_prefill_attention(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -394,8 +351,8 @@ def _amx_prefill_attention(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Ten
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     out = torch.empty(tokens, num_q_heads, head_dim, dtype=_BF16)
     lens_list, cu_list = lens.tolist(), cu.tolist()
-    # V^T per (sequence, kv head), each sequence's positions rounded up to the kernel's 64-position chunks
-    vt_values = [(n + 64) * num_kv_heads * head_dim for n in lens_list]
+    # V^T per (sequence, kv head), each sequence's positions rounded up to the kernel's key chunks
+    vt_values = [(n + AMX_KEY_CHUNK) * num_kv_heads * head_dim for n in lens_list]
     vt_offsets = torch.empty(len(lens_list), dtype=torch.int64)
     start = 0
     while start < len(lens_list):
@@ -438,7 +395,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y
 
 
-PANEL_N = 48  # output features per panel of sy_pack_panels_f32 (as in cpu_native.c)
+PANEL_N = 48  # output features per panel of sy_pack_panels_f32 (SY_PANEL_N)
 # Where the panel GEMM is the AVX2 build (16 registers: passes of 4 rows x 24 columns over each panel), torch's
 # own GEMM (oneDNN / MKL, with a row-major weight) ran 1.19-1.41x faster from 256 rows up on the SmolLM2 layer
 # shapes (Zen 3, paired: prefill is ~75% GEMM there), while below ~128 rows the panels won (1.2x at 64). The

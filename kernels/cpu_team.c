@@ -16,6 +16,8 @@
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
+
+#include "switchyard_kernels.h" /* the declared interface: prototypes, shared structs and constants */
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define CPU_RELAX() _mm_pause()
