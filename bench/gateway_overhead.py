@@ -86,8 +86,22 @@ def stage_profile(gateway_root: str, reset: bool) -> dict:
     return response.json()
 
 
-def measure(url: str, model: str, args: argparse.Namespace, gateway_root: str | None = None) -> dict:
-    body = BODY.replace("MODEL", model).encode()
+DISTINCT = "distinct prompts"  # a target name's suffix: every request's prompt differs (no score cache hit)
+_TOPICS = ("the weather", "a recipe", "tax law", "a proof", "jazz", "compilers", "tides", "chess", "bees", "rust")
+
+
+def bodies(model: str, distinct: bool) -> bytes | list[bytes]:
+    """The request body (the same every time), or 2,000 bodies whose prompts all differ, of the same length."""
+    if not distinct:
+        return BODY.replace("MODEL", model).encode()
+    return [json.dumps({"model": model, "max_tokens": 16, "messages": [
+        {"role": "user", "content": f"Say something short about {_TOPICS[i % 10]}, note {i:05d}"}]}).encode()
+        for i in range(2000)]
+
+
+def measure(url: str, model: str, args: argparse.Namespace, gateway_root: str | None = None,
+            distinct: bool = False) -> dict:
+    body = bodies(model, distinct)
     headers = {"Authorization": f"Bearer {KEY}"}
     if gateway_root:
         stage_profile(gateway_root, reset=True)  # warm-ups and earlier targets are not in this target's stages
@@ -294,13 +308,15 @@ litellm_settings:
         targets = [("upstream direct", upstream, "standin"),
                    ("gateway, engine backend", gateway, "via-engine"),
                    ("gateway, engine backend, difficulty router on", gateway, "via-router"),
+                   (f"gateway, engine backend, difficulty router on, {DISTINCT}", gateway, "via-router"),
                    ("gateway, litellm backend", gateway, "via-litellm")]
         if proxy_url:
             targets.append(("LiteLLM proxy", proxy_url, "gpt-4o-mini"))
         for name, base, model in targets:
             print(f"measuring {name}…", flush=True)
             root = gateway.removesuffix("/v1") if base == gateway else None
-            results[name] = measure(base + "/chat/completions", model, args, gateway_root=root)
+            results[name] = measure(base + "/chat/completions", model, args, gateway_root=root,
+                                    distinct=name.endswith(DISTINCT))
     finally:
         for process in reversed(processes):
             stop(process)

@@ -80,13 +80,24 @@ def build_request(url: str, body: bytes, headers: dict[str, str]) -> tuple[str, 
     return parts.hostname, parts.port, ("\r\n".join(head) + "\r\n\r\n").encode() + body
 
 
-async def run_load(url: str, body: bytes, headers: dict[str, str], *, concurrency: int,
+async def run_load(url: str, body: bytes | list[bytes], headers: dict[str, str], *, concurrency: int,
                    requests: int | None = None, seconds: float | None = None, warmup: int = 20) -> LoadResult:
-    """Closed-loop load: `concurrency` workers, each with one keep-alive connection."""
-    host, port, raw = build_request(url, body, headers)
+    """Closed-loop load: `concurrency` workers, each with one keep-alive connection. `body`: one body for every
+    request, or a list the requests take in turn (e.g. distinct prompts, so no cache answers for the server)."""
+    bodies = body if isinstance(body, list) else [body]
+    built = [build_request(url, b, headers) for b in bodies]
+    host, port = built[0][0], built[0][1]
+    raws = [r for _, _, r in built]
+    turn = 0
+
+    def next_raw() -> bytes:
+        nonlocal turn
+        turn += 1
+        return raws[turn % len(raws)]
+
     warm = _Connection(host, port)
     for _ in range(warmup):
-        await warm.request(raw)
+        await warm.request(next_raw())
     warm.close()
     latencies: list[float] = []
     errors = 0
@@ -106,7 +117,7 @@ async def run_load(url: str, body: bytes, headers: dict[str, str], *, concurrenc
                 issued += 1
                 t0 = time.perf_counter()
                 try:
-                    status = await conn.request(raw)
+                    status = await conn.request(next_raw())
                 except (OSError, asyncio.IncompleteReadError, ValueError):
                     errors += 1
                     conn.close()
