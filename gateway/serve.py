@@ -229,13 +229,15 @@ def _run_workers(config, sock: socket.socket, log_level: str, workers: int) -> i
 
     if threading.active_count() > 1:
         raise _StartError(f"cannot fork {workers} workers: {threading.active_count() - 1} thread(s) already run")
-    quiet = dataclasses.replace(config, banner=None, on_database_ready=None, migrate_when_reachable=False)
     children = []
-    for _ in range(workers - 1):
+    for number in range(1, workers):
         pid = os.fork()
         if pid == 0:  # a worker: serve until signalled, never return into the parent's code
             code = 1
             try:
+                # Its own data dir: spools are one writer's each (the same worker number finds its spool again)
+                quiet = dataclasses.replace(config, banner=None, on_database_ready=None, migrate_when_reachable=False,
+                                            data_dir=config.data_dir / f"worker-{number}")
                 code = _run(create_app(quiet), sock, log_level)
             except BaseException:  # noqa: BLE001 - its traceback, then out
                 traceback.print_exc()

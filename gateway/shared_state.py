@@ -182,6 +182,8 @@ class SharedState:
         self._pending_settles: list[tuple[str, str, float]] = []  # (key id, reservation id, USD) to replay
         self._pending_admits: list[tuple[str, float]] = []  # (key id, wall time) of requests admitted locally
         self._pending_tokens: list[tuple[str, float, int]] = []
+        self._batch: tuple[list, list] = ([], [])  # settles and token counts for the next pipelined flush
+        self._flushing: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
         self._loop_task: asyncio.Task | None = None
         self._closing = False
@@ -280,11 +282,6 @@ class SharedState:
 
         return isinstance(exc, (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError))
 
-    def _spawn(self, coro: Awaitable) -> None:
-        task = asyncio.ensure_future(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
     # ------------------------------------------------------------------ the hot path
 
     async def admit(self, key: KeyInfo, estimate_usd: float | None, prompt_tokens: int) -> Reservation | None:
@@ -338,12 +335,16 @@ class SharedState:
         if key.budget_usd is not None and estimate_usd is not None:
             account = self._local.get(key.id)
             if account is None:
+                # The larger of this replica's last view (spent + reserved by every replica, at its last reply)
+                # and the ledger's sum (every replica's rows written since): other replicas' spend since the last
+                # reply would otherwise be counted in no share.
                 base = self._known_spent.get(key.id)
-                if base is None:
-                    from gateway.budgets import spend_unavailable
-                    try:
-                        base = float(await asyncio.wait_for(self._load_spent(key.id), 5.0) or 0.0)
-                    except Exception:  # noqa: BLE001 - neither Redis nor the ledger: nothing to check against
+                try:
+                    ledger = float(await asyncio.wait_for(self._load_spent(key.id), 5.0) or 0.0)
+                    base = ledger if base is None or not ledger <= base else base
+                except Exception:  # noqa: BLE001 - the ledger too: the last view, if any
+                    if base is None:
+                        from gateway.budgets import spend_unavailable
                         raise spend_unavailable() from None
                 account = self._local.setdefault(key.id, _Local(base_spent=base))
             allowance = max(0.0, key.budget_usd - account.base_spent) / share
@@ -371,17 +372,8 @@ class SharedState:
         if not self.up:
             self._remember(self._pending_settles, (reservation.key_id, reservation.rid, actual))
             return
-        self._spawn(self._settle_now(reservation.key_id, reservation.rid, actual))
-
-    async def _settle_now(self, key_id: str, rid: str, actual: float) -> None:
-        try:
-            await self._settle(keys=_keys(key_id)[:3], args=[rid, repr(actual)])
-        except Exception as exc:  # noqa: BLE001 - kept for the replay
-            self._remember(self._pending_settles, (key_id, rid, actual))
-            if self._is_redis_error(exc):
-                self._mark_down(exc)
-            else:
-                log.error("settling key %s in Redis failed: %s", key_id, exc)
+        self._batch[0].append((reservation.key_id, reservation.rid, actual))
+        self._schedule_flush()
 
     def record_tokens(self, key: KeyInfo, tokens: int) -> None:
         if not self.up:
@@ -389,18 +381,48 @@ class SharedState:
             self._local_limiter.record_tokens(scaled, tokens)
             self._remember(self._pending_tokens, (key.id, time.time(), tokens))
             return
-        self._spawn(self._tokens_now(key.id, time.time(), tokens))
+        self._batch[1].append((key.id, time.time(), tokens))
+        self._schedule_flush()
 
-    async def _tokens_now(self, key_id: str, at: float, tokens: int) -> None:
+    def _schedule_flush(self) -> None:
+        if self._flushing is None:
+            self._flushing = asyncio.ensure_future(self._flush())
+            self._background.add(self._flushing)
+            self._flushing.add_done_callback(self._background.discard)
+
+    async def _flush(self) -> None:
+        """Settles and token counts in one pipelined round trip, after the answer: a request's token count and its
+        settle (made one after the other as it finishes) and those of concurrent requests share it."""
+        await asyncio.sleep(0)  # the same request's settle, queued right after its tokens, joins this batch
+        (settles, tokens), self._batch, self._flushing = self._batch, ([], []), None
         try:
-            async with self._client.pipeline(transaction=False) as pipe:
-                pipe.hincrby(_keys(key_id)[4], str(int(at)), tokens)
-                pipe.expire(_keys(key_id)[4], int(WINDOW_S) + 2)
-                await pipe.execute()
+            await self._send(settles, tokens)
         except Exception as exc:  # noqa: BLE001 - kept for the replay
-            self._remember(self._pending_tokens, (key_id, at, tokens))
+            for item in settles:
+                self._remember(self._pending_settles, item)
+            for item in tokens:
+                self._remember(self._pending_tokens, item)
             if self._is_redis_error(exc):
                 self._mark_down(exc)
+            else:
+                log.error("settling in Redis failed: %s", exc)
+
+    async def _send(self, settles: list, tokens: list, *, retried: bool = False) -> None:
+        from redis.exceptions import NoScriptError
+
+        async with self._client.pipeline(transaction=False) as pipe:
+            for key_id, rid, actual in settles:
+                pipe.evalsha(self._settle.sha, 3, *_keys(key_id)[:3], rid, repr(actual))
+            for key_id, at, count in tokens:
+                pipe.hincrby(_keys(key_id)[4], str(int(at)), count)
+                pipe.expire(_keys(key_id)[4], int(WINDOW_S) + 2)
+            try:
+                await pipe.execute()
+            except NoScriptError:  # a restarted Redis has no scripts: load it and send the settles again (none ran;
+                if retried:       # the token counts did, so they are not sent twice)
+                    raise
+                await self._client.script_load(_SETTLE)
+                await self._send(settles, [], retried=True)
 
     @staticmethod
     def _remember(queue: list, item: tuple) -> None:
