@@ -181,6 +181,7 @@ async def _start(config: GatewayConfig) -> Gateway:
         shared_state = SharedState(config.redis_url, lambda key_id: _spent_by_key(db_engine, key_id))
         await shared_state.start()
         limiter, budgets = SharedRateLimiter(shared_state), SharedBudgetBook(shared_state)
+        shared_state.on_key_change(auth.forget)  # another replica revoked, updated or rotated it
     shadow = ShadowRunner(pool, breakers, writer,
                           ShadowEvalWriter(config.database_url, config.data_dir / "shadow-spool.jsonl"))
     await shadow.start()
@@ -294,6 +295,23 @@ def _backend_states(gw: Gateway) -> dict[str, str]:
                                          gw.embedded)
 
 
+def _announcing(route: Route) -> Route:
+    """An admin route that changes a key (PATCH, DELETE, rotate), wrapped so that, once it succeeded, every replica
+    sharing this Redis drops the key from its cache at once (gateway/shared_state.py). Other routes as they are."""
+    if "key_id" not in route.param_convertors or route.methods & {"PATCH", "DELETE", "POST"} == set():
+        return route
+    handler = route.endpoint
+
+    async def announced(request: Request) -> Response:
+        response = await handler(request)
+        shared = request.app.state.gw.shared_state
+        if shared is not None and response.status_code < 300:
+            await shared.announce_key_change(request.path_params["key_id"])
+        return response
+
+    return Route(route.path, announced, methods=[m for m in route.methods if m != "HEAD"], name=route.name)
+
+
 async def health(request: Request) -> Response:
     """Always 200 while the gateway serves (load balancers decide); `status` is `degraded` when some route
     has no live backend, and `backends` says which is up, down or circuit_open (gateway/health.py)."""
@@ -361,7 +379,7 @@ def create_app(config: GatewayConfig) -> Any:
             Route("/metrics", prometheus, methods=["GET"]),
             Route("/openapi.json", openapi.serve_document, methods=["GET"]),
             *dashboard.routes(),
-            *admin_keys.routes(),
+            *(_announcing(route) for route in admin_keys.routes()),
             *([Route("/admin/stage-profile", stage_profile_summary, methods=["GET"])] if stage_profile.ENABLED
               else []),
         ],

@@ -148,6 +148,12 @@ class Authenticator:
             del table[next(iter(table))]
         table[key_hash] = entry
 
+    def forget(self, key_id: str) -> None:
+        """Drop the key's cached entries (it was revoked, updated or rotated: gateway/shared_state.py announces it):
+        its next request looks it up again."""
+        for key_hash in [h for h, entry in self._known.items() if entry.info is not None and entry.info.id == key_id]:
+            del self._known[key_hash]
+
     async def aclose(self) -> None:
         """Cancel lookups still in flight (at shutdown)."""
         tasks = list(self._inflight.values())

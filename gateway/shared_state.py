@@ -43,6 +43,7 @@ RECONCILE_S = 30.0  # Redis spend vs the ledger
 SOCKET_TIMEOUT_S = 0.5  # a Redis that hangs sends the request to local enforcement, not to a stall
 MAX_PENDING = 100_000  # settles and admissions kept for replay during an outage (oldest dropped past this)
 PREFIX = "switchyard"
+KEY_CHANNEL = f"{PREFIX}:keys"  # pub/sub: the id of a key revoked, updated or rotated
 
 SHARED_UP = Gauge("switchyard_shared_state_up", "1 while budgets and rate limits are shared through Redis; 0 while "
                                                 "this replica enforces its share locally (Redis unreachable)")
@@ -187,6 +188,12 @@ class SharedState:
         self._background: set[asyncio.Task] = set()
         self._loop_task: asyncio.Task | None = None
         self._closing = False
+        # Key changes (revoke, update, rotate) announced by any replica: a client of its own, without the read
+        # timeout (a subscription waits for messages), and the callbacks that drop the key from local caches.
+        self._pubsub_client = aioredis.Redis.from_url(url, socket_connect_timeout=socket_timeout_s,
+                                                      decode_responses=True)
+        self._on_key_change: list[Callable[[str], None]] = []
+        self._listener: asyncio.Task | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -197,6 +204,7 @@ class SharedState:
         except Exception as exc:  # noqa: BLE001 - unreachable at start: serve, enforcing locally (a share of 1)
             self._mark_down(exc)
         self._loop_task = asyncio.create_task(self._loop(), name="shared-state")
+        self._listener = asyncio.create_task(self._listen(), name="shared-state-keys")
 
     async def aclose(self) -> None:
         self._closing = True
@@ -204,6 +212,11 @@ class SharedState:
             # Bounded: a cancellation that lands inside redis-py's I/O can be swallowed there; the flag ends the loop
             self._loop_task.cancel()
             await asyncio.wait({self._loop_task}, timeout=2.0)
+        if self._listener is not None:
+            self._listener.cancel()
+            await asyncio.wait({self._listener}, timeout=2.0)
+        with contextlib.suppress(Exception):
+            await self._pubsub_client.aclose()
         if self._background:
             await asyncio.wait(self._background, timeout=2.0)
         with contextlib.suppress(Exception):
@@ -281,6 +294,38 @@ class SharedState:
         from redis.exceptions import TimeoutError as RedisTimeoutError
 
         return isinstance(exc, (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError))
+
+    # ------------------------------------------------------------------ key changes, every replica at once
+
+    def on_key_change(self, callback: Callable[[str], None]) -> None:
+        self._on_key_change.append(callback)
+
+    async def announce_key_change(self, key_id: str) -> None:
+        """Tell every replica (this one too) that the key changed: they drop it from their caches now rather than
+        within the cache's freshness (1 s). Best effort: with Redis away, the freshness still holds."""
+        try:
+            await self._client.publish(KEY_CHANNEL, key_id)
+        except Exception as exc:  # noqa: BLE001 - the answer to the admin call stands
+            log.warning("could not announce the change of key %s to the other replicas: %s", key_id, exc)
+            for callback in self._on_key_change:
+                callback(key_id)
+
+    async def _listen(self) -> None:
+        while not self._closing:
+            pubsub = self._pubsub_client.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(KEY_CHANNEL)
+                async for message in pubsub.listen():
+                    if message.get("type") == "message":
+                        for callback in self._on_key_change:
+                            callback(str(message["data"]))
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - Redis away: subscribe again after a beat (the heartbeat logs it)
+                await asyncio.sleep(self._heartbeat_s)
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()
 
     # ------------------------------------------------------------------ the hot path
 

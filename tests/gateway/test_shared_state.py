@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from gateway.budgets import BudgetBook
-from gateway.keys import KeyInfo
+from gateway.keys import KeyInfo, hash_key
 from gateway.ratelimit import RateLimiter
 from gateway.shared_state import SharedBudgetBook, SharedRateLimiter, SharedState, _keys
 from gateway.shared_state_testing import RedisServer
@@ -182,5 +182,41 @@ async def test_redis_stopped_falls_back_to_a_share_then_replays_and_reconciles(r
         spent = float(await one._client.hget(_keys(key.id)[0], "spent"))
         assert spent == pytest.approx(0.7)
         assert await _spend_concurrently([book, SharedBudgetBook(states[1])], key, 0.1, 10) == 3
+    finally:
+        await _close(states)
+
+
+async def test_a_key_change_reaches_every_replica_through_pubsub(redis_server):
+    from gateway.auth import Authenticator
+
+    key = KeyInfo(id="key_revoked", team="t")
+    answers = {"sk-one": key}
+
+    async def lookup(key_hash: str):
+        return next((info for secret, info in answers.items() if hash_key(secret) == key_hash), None)
+
+    states = await _replicas(redis_server.url, Ledger())
+    caches = [Authenticator(None, None, lookup=lookup, fresh_s=3600) for _ in states]  # never stale on its own
+    for state, cache in zip(states, caches, strict=True):
+        state.on_key_change(cache.forget)
+    try:
+        for cache in caches:
+            assert (await cache.authenticate("Bearer sk-one")).id == key.id
+        del answers["sk-one"]  # revoked in the database
+        for cache in caches:  # the caches still admit it: nothing told them
+            assert (await cache.authenticate("Bearer sk-one")).id == key.id
+        await states[0].announce_key_change(key.id)
+        for _ in range(50):
+            await asyncio.sleep(0.02)
+            refused = 0
+            for cache in caches:
+                try:
+                    await cache.authenticate("Bearer sk-one")
+                except APIError as exc:
+                    assert exc.status == 401
+                    refused += 1
+            if refused == len(caches):
+                break
+        assert refused == len(caches)
     finally:
         await _close(states)
