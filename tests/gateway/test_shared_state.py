@@ -220,3 +220,32 @@ async def test_a_key_change_reaches_every_replica_through_pubsub(redis_server):
         assert refused == len(caches)
     finally:
         await _close(states)
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:6379", "127.0.0.1:6379", "postgresql://x"])
+def test_a_redis_url_that_is_not_one_is_a_one_line_error(url, monkeypatch):
+    from gateway import settings
+
+    monkeypatch.delenv("SWITCHYARD_REDIS_URL", raising=False)
+    with pytest.raises(ValueError) as refused:
+        settings.redis_url(url)
+    assert "\n" not in str(refused.value) and "redis://" in str(refused.value)
+    assert "6379" not in str(refused.value)  # the URL itself (it may carry a password) is never echoed
+    monkeypatch.setenv("SWITCHYARD_REDIS_URL", "redis://127.0.0.1:6379/0")
+    assert settings.redis_url(None) == "redis://127.0.0.1:6379/0"
+
+
+def test_workers_need_redis_and_no_embedded_engine():
+    from gateway.policy import parse_policy
+    from gateway.serve import _workers_allowed
+
+    remote = parse_policy("backends:\n  e: {kind: engine, model: m, api_base: 'http://127.0.0.1:9/v1', "
+                          "gpu_hour_usd: 1}\nroutes:\n  r: {backend: e}\n", "test.yaml")
+    assert _workers_allowed(1, None, remote) == 1
+    assert _workers_allowed(4, "redis://127.0.0.1:1/0", remote) == 4
+    with pytest.raises(ValueError, match="needs --redis-url"):
+        _workers_allowed(2, None, remote)
+    embedded = parse_policy("backends:\n  e: {kind: engine, model: m, launch: embedded, engine_model_path: x, "
+                            "gpu_hour_usd: 1}\nroutes:\n  r: {backend: e}\n", "test.yaml")
+    with pytest.raises(ValueError, match="embedded engines"):
+        _workers_allowed(2, "redis://127.0.0.1:1/0", embedded)
