@@ -1,4 +1,7 @@
-"""Per-key requests-per-minute and tokens-per-minute limits over a sliding 60-second window."""
+"""Per-key requests-per-minute and tokens-per-minute limits over a sliding 60-second window.
+
+This process's own windows; replicas share theirs through Redis (gateway/shared_state.py, the same interface,
+whose admit() may return an awaitable the proxy awaits)."""
 from __future__ import annotations
 
 import time
@@ -31,7 +34,7 @@ class RateLimiter:
         self._windows: dict[str, _Window] = {}
 
     def admit(self, key: KeyInfo, estimated_prompt_tokens: int) -> None:
-        """Count this request or raise 429 with Retry-After."""
+        """Count this request or raise 429 with Retry-After. Returns None: nothing left to await."""
         if key.rpm is None and key.tpm is None:
             return
         now = self._clock()
