@@ -234,18 +234,27 @@ def _run_workers(config, sock: socket.socket, log_level: str, workers: int) -> i
         pid = os.fork()
         if pid == 0:  # a worker: serve until signalled, never return into the parent's code
             code = 1
+            _die_with_parent()
             try:
                 # Its own data dir: spools are one writer's each (the same worker number finds its spool again)
                 quiet = dataclasses.replace(config, banner=None, on_database_ready=None, migrate_when_reachable=False,
                                             data_dir=config.data_dir / f"worker-{number}")
                 code = _run(create_app(quiet), sock, log_level)
+            except KeyboardInterrupt:  # Ctrl-C: uvicorn re-raises it once drained
+                code = 130
             except BaseException:  # noqa: BLE001 - its traceback, then out
                 traceback.print_exc()
             finally:
                 os._exit(code)
         children.append(pid)
+
+    def forward(sig: int) -> None:  # as SIGTERM: a second SIGINT (Ctrl-C reaches the group too) would cut the drain
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+
     try:
-        return _run(create_app(config), sock, log_level)
+        return _run(create_app(config), sock, log_level, on_exit=forward)
     finally:
         for pid in children:
             with contextlib.suppress(ProcessLookupError):
@@ -255,12 +264,21 @@ def _run_workers(config, sock: socket.socket, log_level: str, workers: int) -> i
                 os.waitpid(pid, 0)
 
 
+def _die_with_parent() -> None:
+    """Linux: this worker gets SIGTERM when the first process dies, however it dies (SIGKILL included)."""
+    import ctypes
+    import signal
+
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 # At SIGTERM, in-flight requests get DRAIN_S to finish (then they are cut, and their rows say so); the app's own
 # shutdown is bounded too (gateway/app.py _STOP_S), so the process exits within 30 s in every state.
 DRAIN_S = 12
 
 
-def _run(app, sock: socket.socket, log_level: str) -> int:
+def _run(app, sock: socket.socket, log_level: str, on_exit=None) -> int:
     """uvicorn on the socket bound above. A shutdown signal during start-up (embedded engines still loading)
     stops the wait too, so SIGTERM ends the process in seconds in every state."""
     import uvicorn
@@ -271,6 +289,8 @@ def _run(app, sock: socket.socket, log_level: str) -> int:
         def handle_exit(self, sig, frame) -> None:
             super().handle_exit(sig, frame)
             interrupt_startup(app)
+            if on_exit is not None:  # --workers: the signal goes to every worker too (uvicorn re-raises it after
+                on_exit(sig)         # its shutdown, so code after server.run() may never run)
 
     server = Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=DRAIN_S, access_log=False))
     server.run(sockets=[sock])
