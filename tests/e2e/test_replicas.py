@@ -232,3 +232,36 @@ def test_redis_stopped_under_load_then_restarted_loses_nothing(cluster):
     spent = sum(row["cost_usd"] or 0.0 for row in rows)
     assert spent <= budget + ok * PROMPT_USD_MAX + LOAD_THREADS * (PER_REQUEST_USD + PROMPT_USD_MAX)
     assert ok >= 60  # most of the budget stayed usable (the outage shares are of what was left)
+
+
+def test_stopping_serve_stops_every_worker(tmp_path):
+    """SIGTERM to `serve --workers 2` ends both processes (the worker was once left running, orphaned)."""
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(POLICY.format(standin="http://127.0.0.1:9/v1"))
+    port = free_port()
+    with RedisServer() as redis_server:
+        serve = Serve(tmp_path, "--policy", str(policy), "--port", str(port), "--database-url",
+                      f"sqlite:///{tmp_path / 'ledger.db'}", "--redis-url", redis_server.url, "--workers", "2")
+        try:
+            wait_http(f"http://127.0.0.1:{port}/health", timeout=120)
+            pids = set()
+            for _ in range(60):  # new connections until both processes answered
+                pids.add(int(_health(f"http://127.0.0.1:{port}")["shared_state"]["replica"].split(":")[1]))
+                if len(pids) == 2:
+                    break
+            assert len(pids) == 2 and serve.process.pid in pids
+            serve.stop()
+            deadline = time.monotonic() + 30
+            while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not [pid for pid in pids if _alive(pid)], serve.output
+        finally:
+            serve.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
