@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -40,6 +39,7 @@ from cheaper_model import (
     perplexity,
 )
 from cheaper_spec import OPEN_ENDED, encode
+from machine_info import cpu_model
 
 # "Sound": perplexity at most 1% above fp32's, and fp32's greedy chat answers kept as tests/hosted/test_quantization.py
 # requires of a quantized engine (>= 75% of the tokens the same until the first flip).
@@ -48,14 +48,6 @@ CHAT_BOUND = 0.75
 # Greedy answers compared with fp32's: the README's quick-start question and bench/cheaper_spec.py's open chat prompts.
 QUICK_START = "What is the capital of France?"
 CHAT_TOKENS = 32
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
 
 
 def load(label: str, path: Path, args, longest: int):
@@ -83,7 +75,7 @@ def measure(args) -> dict:
     chats = encode(tok, [QUICK_START, *OPEN_ENDED])
     longest = max(len(prompt) + args.new_tokens + 8, args.window, max(map(len, chats)) + CHAT_TOKENS + 8)
     labels = [x for x in args.precisions.split(",") if x]
-    res: dict = {"meta": {"model": MODEL, "cpu": cpu_name(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
+    res: dict = {"meta": {"model": MODEL, "cpu": cpu_model(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
                           "threads": torch.get_num_threads(), "native_features": cpu_lowp.features(),
                           "prompt_tokens": len(prompt), "new_tokens": args.new_tokens, "rounds": args.rounds,
                           "runs_per_round": args.runs, "ppl_tokens": len(ppl_ids), "window": args.window,

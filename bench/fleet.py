@@ -21,10 +21,8 @@ import asyncio
 import contextlib
 import json
 import os
-import platform
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,27 +35,14 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+from machine_info import free_port, machine
+
 from gateway.testing.standin import run_standin, standin_control, standin_stats
 
 KEY = "sk-bench-fleet"
 STRATEGIES = ("cache_aware", "round_robin", "least_loaded")
 RESULTS = ROOT / "bench" / "results" / "fleet.json"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def machine() -> dict:
-    model = platform.processor() or ""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    return {"cpus": os.cpu_count(), "cpu_model": model, "platform": platform.platform()}
 
 
 def workload(args: argparse.Namespace) -> list[tuple[str, list[str]]]:

@@ -19,12 +19,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
-import platform
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,6 +32,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from loadgen import LoadResult, run_load
+from machine_info import free_port, machine
 
 ROOT = Path(__file__).resolve().parent.parent
 # The newest litellm whose `proxy` extra resolves from the package registry here (1.109+ pins proxy
@@ -44,12 +42,6 @@ KEY = "sk-bench"
 DEFAULT_OUT = ROOT / "bench" / "results" / "gateway_overhead.json"
 BODY = json.dumps({"model": "MODEL", "messages": [{"role": "user", "content": "Say something short please"}],
                    "max_tokens": 16})
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_http(url: str, timeout: float, headers: dict | None = None) -> None:
@@ -118,16 +110,6 @@ def measure(url: str, model: str, args: argparse.Namespace, gateway_root: str | 
     if stages:
         result["stages_us"] = stages["stages_us"]  # concurrency 1, warm-up included (50 of the requests)
     return result
-
-
-def machine() -> dict:
-    model = platform.processor() or ""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    return {"cpus": os.cpu_count(), "cpu_model": model, "platform": platform.platform()}
 
 
 STAGE_ORDER = ["edge", "auth", "body", "route", "reserve", "admit", "send", "upstream", "dispatch", "finish",

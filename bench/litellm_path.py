@@ -30,10 +30,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 import aiohttp
 import orjson
+from machine_info import cpu_model, free_port
 
 from gateway.backends.litellm_backend import LiteLLMBackend
 from gateway.policy import BackendSpec
@@ -56,20 +58,6 @@ AREAS = [
     ("asyncio event loop and sockets", ("asyncio", "selectors", "socket", "ssl")),
     ("the gateway's own code", ("/gateway/",)),
 ]
-
-
-def cpu_model() -> str:
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_standin() -> tuple[subprocess.Popen, str]:

