@@ -375,7 +375,10 @@ def _prompt(value: Any) -> Any:
 # Token fields (budgets multiply them: gateway/admission.py): integers within bounds, on every endpoint.
 MAX_TOKENS_LIMIT = 10_000_000  # far past any model's output limit; keeps the worst-case arithmetic finite
 MAX_CHOICES = 128  # n and best_of
-TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens", "n", "best_of")
+# The fields budgets reserve by, with the largest value each accepts (TOKEN_FIELDS: their names).
+_TOKEN_LIMITS = {"max_tokens": MAX_TOKENS_LIMIT, "max_completion_tokens": MAX_TOKENS_LIMIT,
+                 "max_output_tokens": MAX_TOKENS_LIMIT, "n": MAX_CHOICES, "best_of": MAX_CHOICES}
+TOKEN_FIELDS = tuple(_TOKEN_LIMITS)
 TokenCap = Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_LIMIT)]
 Choices = Annotated[StrictInt, Field(ge=1, le=MAX_CHOICES)]
 
@@ -680,10 +683,6 @@ def to_api_error(exc: ValidationError) -> APIError:
         detail = err["msg"].replace("Input should be", "must be")
     name = path or "body"
     return errors.invalid_request(f"Invalid request: '{name}' {detail}.", param=path or None)
-
-
-_TOKEN_LIMITS = {"max_tokens": MAX_TOKENS_LIMIT, "max_completion_tokens": MAX_TOKENS_LIMIT,
-                 "max_output_tokens": MAX_TOKENS_LIMIT, "n": MAX_CHOICES, "best_of": MAX_CHOICES}
 
 
 def _plain_token_fields(body: dict) -> bool:
