@@ -174,26 +174,10 @@ class EngineBackend(Backend):
                 resp.close()  # cut short (client gone, error): drop the connection so the engine sees it
 
     def _chunk(self, line: bytes) -> dict:
-        """One `data:` line's chunk; an in-band error event (what the engine sends when it fails mid-stream)
-        is raised as the upstream's error."""
-        try:
-            chunk = orjson.loads(line[5:])
-        except orjson.JSONDecodeError as e:
-            raise AnswerRejected("malformed", f"an SSE event's data is not JSON ({e})") from e
-        if not isinstance(chunk, dict):
-            raise AnswerRejected("malformed", "an SSE event's data is not a JSON object")
-        error = chunk.get("error")
-        if isinstance(error, dict) and "choices" not in chunk:
-            status = 400 if error.get("type") == "invalid_request_error" else 500
-            detail = redact(str(error.get("message") or "error event"), self._secrets)
-            raise UpstreamError(f"{self.name}: error event in the stream: {detail}", kind="http", status=status,
-                                retryable=is_retryable_status(status), body={"error": error}, detail=detail,
-                                backend=self.name)
-        return chunk
+        return sse_chunk(line, self.name, self._secrets)
 
     def _rejected(self, e: AnswerRejected) -> UpstreamError:
-        return UpstreamError(f"{self.name}: {e}", kind=e.kind, retryable=True, backend=self.name,  # type: ignore[arg-type]
-                             detail=str(e))
+        return rejected(self.name, e)
 
     async def aclose(self) -> None:
         await self._pool.aclose()
@@ -236,6 +220,32 @@ async def read_at_most(resp: aiohttp.ClientResponse, limit: int) -> bytes:
             resp.close()
             break
     return b"".join(parts)[:limit]
+
+
+def sse_chunk(line: bytes, backend: str, secrets: list[str] | tuple[str, ...]) -> dict:
+    """One SSE `data:` line's chunk (AnswerRejected when it is not a JSON object). An in-band error event (an
+    engine failing mid-stream, OpenAI's mid-stream error) is raised as the upstream's error; a Responses API
+    event (it has a top-level `type`) is a chunk even when it carries an `error`."""
+    try:
+        chunk = orjson.loads(line[5:])
+    except orjson.JSONDecodeError as e:
+        raise AnswerRejected("malformed", f"an SSE event's data is not JSON ({e})") from e
+    if not isinstance(chunk, dict):
+        raise AnswerRejected("malformed", "an SSE event's data is not a JSON object")
+    error = chunk.get("error")
+    if isinstance(error, dict) and "choices" not in chunk and "type" not in chunk:
+        status = 400 if error.get("type") == "invalid_request_error" else 500
+        detail = redact(str(error.get("message") or "error event"), secrets)
+        raise UpstreamError(f"{backend}: error event in the stream: {detail}", kind="http", status=status,
+                            retryable=is_retryable_status(status), body={"error": error}, detail=detail,
+                            backend=backend)
+    return chunk
+
+
+def rejected(backend: str, e: AnswerRejected) -> UpstreamError:
+    """An answer the guard refused, as the upstream's failure (retried, fallen back from, counted)."""
+    return UpstreamError(f"{backend}: {e}", kind=e.kind, retryable=True, backend=backend,  # type: ignore[arg-type]
+                         detail=str(e))
 
 
 def parse_retry_after(value: str | None) -> float | None:

@@ -33,7 +33,7 @@ from gateway.backends.base import (
     requesting_usage,
     usage_from_dict,
 )
-from gateway.backends.engine_backend import parse_retry_after, read_at_most
+from gateway.backends.engine_backend import parse_retry_after, read_at_most, rejected, sse_chunk
 from gateway.backends.guard import AnswerRejected, SSELines, is_event_stream
 from gateway.backends.http1 import ConnectFailed, Http1Pool
 from gateway.redact import redact
@@ -308,26 +308,12 @@ class OpenAIWireFast:
             await self._done()
 
     def _chunk(self, line: bytes, key: str) -> dict:
-        try:
-            chunk = orjson.loads(line[5:])
-        except orjson.JSONDecodeError as e:
-            raise AnswerRejected("malformed", f"an SSE event's data is not JSON ({e})") from e
-        if not isinstance(chunk, dict):
-            raise AnswerRejected("malformed", "an SSE event's data is not a JSON object")
-        error = chunk.get("error")
-        if isinstance(error, dict) and "choices" not in chunk and "type" not in chunk:  # OpenAI's mid-stream error
-            status = 400 if error.get("type") == "invalid_request_error" else 500
-            detail = redact(str(error.get("message") or "error event"), [key] if key else ())
-            raise UpstreamError(f"{self.name}: error event in the stream: {detail}", kind="http", status=status,
-                                retryable=is_retryable_status(status), body={"error": error}, detail=detail,
-                                backend=self.name)
-        return chunk
+        return sse_chunk(line, self.name, [key] if key else ())
 
     # ------------------------------------------------------------ errors, as map_litellm_error types them
 
     def rejected(self, e: AnswerRejected) -> UpstreamError:
-        return UpstreamError(f"{self.name}: {e}", kind=e.kind, retryable=True, backend=self.name,  # type: ignore[arg-type]
-                             detail=str(e))
+        return rejected(self.name, e)
 
     def _transport_error(self, e: BaseException) -> UpstreamError:
         if isinstance(e, aiohttp.ClientConnectorError | ConnectFailed):
