@@ -67,11 +67,8 @@ def _json(payload: Any, status: int = 200) -> Response:
 
 
 async def _admin(request: Request) -> KeyInfo:
-    info = await request.app.state.services.auth.authenticate(request.headers.get("authorization"))
-    if not info.is_admin:
-        raise APIError(403, "Managing keys needs the master key or an admin key; this key is not one.",
-                       type="permission_error", code="admin_key_required")
-    return info
+    return await request.app.state.services.auth.authenticate_admin(request.headers.get("authorization"),
+                                                                    "Managing keys")
 
 
 def _key_id(request: Request) -> str:

@@ -347,10 +347,7 @@ async def stage_profile_summary(request: Request) -> Response:
     `?reset=1` clears them after reading (gateway/stage_profile.py)."""
     gw: Gateway = request.app.state.gw
     try:
-        key = await gw.services.auth.authenticate(request.headers.get("authorization"))
-        if not key.is_admin:
-            raise APIError(403, "The stage profile is for the master key or an admin key.",
-                           type="permission_error", code="forbidden")
+        await gw.services.auth.authenticate_admin(request.headers.get("authorization"), "The stage profile")
     except APIError as exc:
         return error_response(exc)
     summary = stage_profile.STORE.summary()

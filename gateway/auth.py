@@ -62,6 +62,15 @@ class Authenticator:
     def database_reachable(self) -> bool:
         return self._down_since is None
 
+    async def authenticate_admin(self, authorization: str | None, needs_it: str) -> KeyInfo:
+        """authenticate, then the 403 `admin_key_required` unless the key is the master or an admin key;
+        `needs_it` says what does ("Managing keys", "The dashboard"…)."""
+        info = await self.authenticate(authorization)
+        if not info.is_admin:
+            raise errors.APIError(403, f"{needs_it} needs the master key or an admin key; this key is not one.",
+                           type="permission_error", code="admin_key_required")
+        return info
+
     async def authenticate(self, authorization: str | None) -> KeyInfo:
         if not authorization:
             raise errors.authentication("Missing API key: send 'Authorization: Bearer <key>'.")

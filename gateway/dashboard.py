@@ -81,19 +81,11 @@ def close(app: Any) -> None:
 # --------------------------------------------------------------------------------------------- requests
 
 
-def _forbidden() -> APIError:
-    return APIError(403, "The dashboard needs an admin key (the master key, or the admin key made on first "
-                         "start); this key is not one.",
-                    type="permission_error", code="admin_key_required")
-
-
 async def _check_admin(request: Request, *, query_key: bool = False) -> None:
     header = request.headers.get("authorization")
     if not header and query_key and request.query_params.get("key"):
         header = "Bearer " + request.query_params["key"]
-    info = await request.app.state.services.auth.authenticate(header)
-    if not info.is_admin:
-        raise _forbidden()
+    await request.app.state.services.auth.authenticate_admin(header, "The dashboard")
 
 
 def _window(request: Request) -> Window:
