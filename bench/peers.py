@@ -8,7 +8,9 @@ Used as a library by the benchmarks (bench/ on sys.path): `import peers`.
 
 Both peers live under bench/.peers/ (git-ignored), never in the project's dependencies:
 
-  bench/.peers/llamacpp/     the llama-cpp-python==0.3.36 sdist (`pip download --no-deps --no-binary :all:`)
+  bench/.peers/llamacpp/     (or ensure_llamacpp(DIR): the tests build in ~/.cache/switchyard/peers/llamacpp,
+                             LLAMACPP_TEST_DIR, outside the repo and shared between checkouts)
+                             the llama-cpp-python==0.3.36 sdist (`pip download --no-deps --no-binary :all:`)
                              and a cmake build of its vendor/llama.cpp: only the `llama-server` and
                              `llama-quantize` targets. Flags:
                                -DCMAKE_BUILD_TYPE=Release
@@ -156,32 +158,40 @@ def smollm2_gguf() -> Path:
 # llama.cpp
 # ----------------------------------------------------------------------------------------------------------
 
-def ensure_llamacpp() -> Path:
-    """Build llama.cpp's llama-server and llama-quantize (once) and return their bin directory.
+# Where the tests cache their llama.cpp build (outside the repo, shared by every checkout and CI run).
+LLAMACPP_TEST_DIR = Path(os.environ.get("SWITCHYARD_CACHE_DIR", Path.home() / ".cache" / "switchyard")) \
+    / "peers" / "llamacpp"
+
+
+def ensure_llamacpp(directory: str | Path | None = None) -> Path:
+    """Build llama.cpp's llama-server and llama-quantize (once) under directory (default bench/.peers/llamacpp)
+    and return their bin directory.
 
     The source is the vendor/llama.cpp tree of the llama-cpp-python sdist (pip download, no binaries); see
-    LLAMACPP_CMAKE_FLAGS. Skips all work when both binaries exist."""
-    if all((LLAMACPP_BIN / t).is_file() for t in LLAMACPP_TARGETS):
-        return LLAMACPP_BIN
-    logfile = LOGS_DIR / "llamacpp-build.log"
+    LLAMACPP_CMAKE_FLAGS. Skips all work when both binaries exist. The tests pass LLAMACPP_TEST_DIR."""
+    base = Path(directory) if directory is not None else LLAMACPP_DIR
+    bin_dir = base / "build" / "bin"
+    if all((bin_dir / t).is_file() for t in LLAMACPP_TARGETS):
+        return bin_dir
+    logfile = (LOGS_DIR if directory is None else base / "logs") / "llamacpp-build.log"
     t0 = time.time()
-    dl = LLAMACPP_DIR / "dl"
+    dl = base / "dl"
     sdist = dl / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
     if not sdist.is_file():
         log(f"downloading llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION} sdist (log: {logfile})")
         _run_logged([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
                      f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", dl], logfile)
-    src_root = LLAMACPP_DIR / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}"
+    src_root = base / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}"
     src = src_root / "vendor" / "llama.cpp"
     if not (src / "CMakeLists.txt").is_file():
         with tarfile.open(sdist) as tar:
-            tar.extractall(LLAMACPP_DIR, filter="data")
+            tar.extractall(base, filter="data")
     log(f"building llama.cpp {'/'.join(LLAMACPP_TARGETS)} with -j2 (~10 min; log: {logfile})")
-    _run_logged(["cmake", "-S", src, "-B", LLAMACPP_BUILD, *LLAMACPP_CMAKE_FLAGS], logfile)
-    _run_logged(["cmake", "--build", LLAMACPP_BUILD, "--config", "Release", "-j2",
+    _run_logged(["cmake", "-S", src, "-B", base / "build", *LLAMACPP_CMAKE_FLAGS], logfile)
+    _run_logged(["cmake", "--build", base / "build", "--config", "Release", "-j2",
                  "--target", *LLAMACPP_TARGETS], logfile)
     log(f"llama.cpp built in {time.time() - t0:.0f} s")
-    return LLAMACPP_BIN
+    return bin_dir
 
 
 def llamacpp_version() -> str:

@@ -95,6 +95,10 @@ class BackendSpec(_Strict):
     name: str
     kind: Literal["engine", "litellm"]
     model: str = Field(min_length=1)
+    # engine only: which server answers at api_base(s). Foreign engines (vLLM, SGLang, llama.cpp) lack our
+    # engine's extras (device seconds in the answer, switchyard_engine_* metrics): their device time and load
+    # come from what each exposes instead (docs/policy.md, `engine_type`).
+    engine_type: Literal["switchyard", "vllm", "sglang", "llamacpp"] = "switchyard"
     api_base: str | None = None
     # engine only: a fleet of replicas of the same model; each request goes to one (gateway/fleet.py)
     api_bases: list[str] | None = Field(default=None, min_length=1)
@@ -461,6 +465,14 @@ def _check_engine_backend(b: BackendSpec, p: tuple, add: _Add) -> None:
                 "remove it and set `gpu_hour_usd`/`gpus` (or `reserve_usd_per_mtok` for budgets)")
     for problem in engine_args.check(b.engine_args):
         add(p + ("engine_args", problem.key), problem.problem, problem.fix)
+    if b.engine_type != "switchyard":
+        if b.launch == "embedded":
+            add(p + ("launch",), f"the gateway launches only its own engine, not {b.engine_type}",
+                f"start the {b.engine_type} server yourself and give its URL in `api_base:`, or remove "
+                "`engine_type:`")
+        if b.engine_args:
+            add(p + ("engine_args",), f"'engine_args' are `switchyard engine serve` flags, not {b.engine_type}'s",
+                f"remove it and pass flags to the {b.engine_type} server where you start it")
     if b.cpu_hour_usd is not None and (b.gpu_hour_usd or b.gpus != 1):
         add(p + ("cpu_hour_usd",), "an engine is priced either per CPU host (`cpu_hour_usd`) or per GPU "
             "(`gpu_hour_usd` × `gpus`), not both", "keep one of them")
@@ -472,6 +484,9 @@ def _check_litellm_backend(b: BackendSpec, p: tuple, add: _Add) -> None:
             add(p + (f,), f"'{f}' applies only to engine backends", "remove it, or set `kind: engine`")
     if b.engine_args:
         add(p + ("engine_args",), "'engine_args' applies only to engine backends", "remove it")
+    if b.engine_type != "switchyard":
+        add(p + ("engine_type",), "'engine_type' applies only to engine backends",
+            "remove it, or set `kind: engine` for a vLLM / SGLang / llama.cpp server")
     for f in ("gpu_hour_usd", "cpu_hour_usd"):
         if getattr(b, f):
             add(p + (f,), f"'{f}' applies only to engine backends",
