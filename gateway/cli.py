@@ -74,6 +74,10 @@ def _add_keys(sub: argparse._SubParsersAction) -> None:
             c.add_argument("key", metavar="KEY_OR_ID", help="the key's id (key_…) or the key itself")
         c.add_argument("--database-url", default=None,
                        help="(default: $SWITCHYARD_DATABASE_URL, else sqlite:///data/switchyard.db)")
+        if key_arg:  # a change to a live key: announced to the gateway replicas sharing this Redis
+            c.add_argument("--redis-url", default=None, metavar="URL",
+                           help="the gateways' shared Redis: every replica drops the key's cached entry at once "
+                                "(default: $SWITCHYARD_REDIS_URL; without it they reread it within ~1 s)")
         c.set_defaults(func=_lazy("gateway.keys_cli", f"keys_{name}"))
         return c
 

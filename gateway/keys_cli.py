@@ -4,6 +4,11 @@ Each reads its flags, calls gateway/keys.py, prints, and returns the exit code: 
 database said no (unknown key, revoked key, unreachable database), 2 a bad value. An error is one line on
 stderr and nothing is changed. Plaintext keys are printed only by create and rotate, once, as the last line;
 hashes never.
+
+update, rotate and revoke then announce the key's id on Redis when a Redis URL is configured (`--redis-url` or
+SWITCHYARD_REDIS_URL, the one the gateways share): every replica drops the key from its cache at once. Without
+Redis (or when it does not answer) the change still reaches every replica within about a second: each rereads a
+key in use from the database once it is a second old (gateway/auth.py).
 """
 from __future__ import annotations
 
@@ -57,6 +62,27 @@ def _run(args: argparse.Namespace, work: Callable[[Any], Awaitable[int]]) -> int
         print(f"{command}: failed on {db.redact_url(url)}: {type(exc).__name__}: {str(exc).splitlines()[0]}",
               file=sys.stderr)
         return 1
+
+
+def _announce(args: argparse.Namespace, key_id: str) -> None:
+    """Tell the gateway replicas sharing the Redis that the key changed (best effort: the database holds it)."""
+    from gateway import settings
+    from gateway.shared_state import _redact, publish_key_change
+
+    try:
+        url = settings.redis_url(getattr(args, "redis_url", None))
+    except ValueError as exc:
+        print(f"switchyard keys {args.keys_command}: warning: not announced on Redis: {exc}", file=sys.stderr)
+        return
+    if url is None:
+        return
+    try:
+        heard = publish_key_change(url, key_id)
+    except Exception as exc:  # noqa: BLE001 - the change is stored; replicas reread it within about a second
+        print(f"switchyard keys {args.keys_command}: warning: could not announce it on {_redact(url)} "
+              f"({type(exc).__name__}); gateways still apply it within about a second", file=sys.stderr)
+        return
+    print(f"Announced to {heard} gateway replica{'' if heard == 1 else 's'} on Redis.")
 
 
 def _limits(record: KeyRecord) -> str:
@@ -137,6 +163,7 @@ def keys_update(args: argparse.Namespace) -> int:
                                   rpm=_number(args.rpm, "--rpm", int), tpm=_number(args.tpm, "--tpm", int),
                                   routes=routes)
         print(f"Updated key {record.id} ({_limits(record)}); gateways apply it within about a second.")
+        _announce(args, record.id)
         return 0
 
     return _run(args, work)
@@ -148,7 +175,9 @@ def keys_revoke(args: argparse.Namespace) -> int:
 
     async def work(engine) -> int:
         record = await revoke_key(engine, args.key)
-        print(f"Revoked key {record.id} (team '{record.team}'); gateways refuse it within about a second.")
+        print(f"Revoked key {record.id} (team '{record.team}'); gateways refuse it within about a second.",
+              flush=True)
+        _announce(args, record.id)
         return 0
 
     return _run(args, work)
@@ -161,7 +190,9 @@ def keys_rotate(args: argparse.Namespace) -> int:
     async def work(engine) -> int:
         key, record = await rotate_key(engine, args.key)
         print(f"Rotated key {record.id} ({_limits(record)}): the old secret stops working within about a "
-              "second. The new one is shown once; store it now:")
+              "second.")
+        _announce(args, record.id)
+        print("The new one is shown once; store it now:")
         print(key)
         return 0
 

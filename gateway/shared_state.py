@@ -518,6 +518,19 @@ def _refusal(key: KeyInfo, reply: list, estimate_usd: float | None) -> errors.AP
         f"this request may cost up to ${estimate_usd:.6f} and ${left:.6f} is left.")
 
 
+def publish_key_change(url: str, key_id: str, timeout_s: float = 2.0) -> int:
+    """From a process with no gateway in it (`switchyard keys revoke|update|rotate --redis-url`): announce the key's
+    change on KEY_CHANNEL, as a replica's admin API does. Returns how many replicas heard it; raises on a Redis
+    error (the caller says the change still holds: every replica rereads a key at least once a second)."""
+    import redis
+
+    client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+    try:
+        return int(client.publish(KEY_CHANNEL, key_id))
+    finally:
+        client.close()
+
+
 def _redact(url: str) -> str:
     scheme, sep, rest = url.partition("://")
     return f"{scheme}{sep}***@{rest.split('@', 1)[1]}" if "@" in rest else url
