@@ -196,6 +196,8 @@ async def _start(config: GatewayConfig) -> Gateway:
         await _apply_policy(gw, policy)
 
     policy_store.on_change(on_change)
+    if shared_state is not None:
+        await shared_state.share_policy(policy_store)  # one live policy for every replica (gateway/shared_policy.py)
     return gw
 
 
@@ -236,7 +238,9 @@ _AFTER_WRITERS_S = 2.5  # what a writer's close takes past its timeout (spooling
 
 
 async def _apply_policy(gw: Gateway, policy: Policy) -> None:
-    if gw.policy_versions is not None:  # its text, so reports price its rows by it (spooled if the DB is down)
+    if gw.policy_versions is not None and gw.services.policy_store.origin == "file":
+        # its text, so reports price its rows by it (spooled if the DB is down); one adopted from another replica
+        # was stored by that replica
         await gw.policy_versions.record(policy)
     await gw.services.pool.sync(policy)
     await gw.routing.apply(policy, gw.services.pool)  # loads (or trains) difficulty models in a thread, off requests

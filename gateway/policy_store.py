@@ -12,10 +12,14 @@ A reload cannot hurt traffic:
   judged; the next poll looks again;
 - a rejected, unreadable or deleted file leaves the last good policy serving; `status()` (in `/health`)
   and the metrics switchyard_policy_reload_errors_total / switchyard_policy_reload_failing say so.
+
+Replicas sharing a Redis (gateway/shared_policy.py) also take a policy another replica read from its file:
+`adopt()` swaps it in the same way (its listeners run), and `status()` names its origin.
 """
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import inspect
 import logging
 import os
@@ -66,6 +70,9 @@ class PolicyStore:
         self.poll_interval_s = poll_interval_s
         self.settle_s = settle_s  # a changed stamp must hold this long before the file is read (0: at once)
         self.current: Policy | None = None
+        self.text: str | None = None  # the current policy's text (None: the file changed while it was read back)
+        self.origin = "file"  # or "replica <id>": adopted from another replica through Redis
+        self.file_mtime: float | None = None  # unix time the file last loaded from it was written
         self.loaded_at: float | None = None
         self.reload_errors = 0
         self.reloads = 0
@@ -84,7 +91,8 @@ class PolicyStore:
     async def start(self) -> Policy:
         """Load the file once (a bad file raises PolicyError) and start watching it."""
         self._stamp = _file_stamp(self.path)
-        self.current, warnings = await asyncio.to_thread(_load, self.path)
+        self.current, warnings, self.text = await asyncio.to_thread(_load, self.path)
+        self.file_mtime = self._stamp.mtime_ns / 1e9 if self._stamp else None
         self.loaded_at = time.time()
         metrics.POLICY_RELOAD_FAILING.set(0)
         log.info("policy loaded from %s: version %s, %d routes, %d backends", self.path,
@@ -103,6 +111,7 @@ class PolicyStore:
         current = self.current
         return {
             "version": current.version if current else None,
+            "origin": self.origin,
             "path": str(self.path),
             "live_since": _iso(self.loaded_at) if self.loaded_at else None,
             "file": "missing" if self._missing else ("settling" if self._pending else "ok"),
@@ -124,7 +133,7 @@ class PolicyStore:
         if not self._settled(stamp):
             return False
         try:
-            policy, warnings = await asyncio.to_thread(self._read, stamp)
+            policy, warnings, text = await asyncio.to_thread(self._read, stamp)
         except _ChangedWhileReading:
             self._pending = None  # still being written: start the settle wait again
             return False
@@ -133,10 +142,20 @@ class PolicyStore:
             self._fail(str(e), stamp, "invalid")
             return False
         self._judged(stamp)
+        self.file_mtime = stamp.mtime_ns / 1e9
         if self.current is not None and policy.version == self.current.version:
-            self._recovered()  # touched, or restored as it was
+            self.origin = "file"  # touched, restored as it was, or now holding what a replica sent
+            self._recovered()
             return False
-        await self._swap(policy, warnings)
+        await self._swap(policy, warnings, text, "file")
+        return True
+
+    async def adopt(self, policy: Policy, text: str, origin: str) -> bool:
+        """Serve a policy another replica read from its file (validated by the caller); its listeners run as for a
+        reload. The file watcher goes on: this file's next change is swapped in (and shared) as ever."""
+        if self.current is not None and policy.version == self.current.version:
+            return False
+        await self._swap(policy, [], text, origin)
         return True
 
     def _settled(self, stamp: FileStamp) -> bool:
@@ -150,7 +169,7 @@ class PolicyStore:
             return False
         return now - self._pending[1] >= self.settle_s
 
-    def _read(self, stamp: FileStamp) -> tuple[Policy, list[str]]:
+    def _read(self, stamp: FileStamp) -> tuple[Policy, list[str], str | None]:
         """In a thread: load and validate, then make sure the file did not change while it was read."""
         loaded = _load(self.path)
         if _file_stamp(self.path) != stamp:
@@ -160,13 +179,15 @@ class PolicyStore:
     def _judged(self, stamp: FileStamp) -> None:
         self._stamp, self._pending, self._missing = stamp, None, False
 
-    async def _swap(self, policy: Policy, warnings: list[str]) -> None:
+    async def _swap(self, policy: Policy, warnings: list[str], text: str | None, origin: str) -> None:
         old = self.current
         self.current = policy  # the atomic swap
+        self.text, self.origin = text, origin
         self.loaded_at = time.time()
         self.reloads += 1
-        self._recovered()
-        log.info("policy reloaded from %s: version %s -> %s", self.path,
+        if origin == "file":
+            self._recovered()
+        log.info("policy reloaded from %s: version %s -> %s", self.path if origin == "file" else origin,
                  old.version if old else "-", policy.version)
         _log_warnings(warnings)
         for cb in list(self._callbacks):
@@ -204,10 +225,17 @@ class PolicyStore:
         await poll_forever(self.check_now, self.poll_interval_s, "policy watcher")
 
 
-def _load(path: Path) -> tuple[Policy, list[str]]:
-    """Blocking (run in a thread): the validated policy and its warnings (these stat files too)."""
+def _load(path: Path) -> tuple[Policy, list[str], str | None]:
+    """Blocking (run in a thread): the validated policy, its warnings (these stat files too) and its text (None if
+    the file changed in between: _read then sees a new stamp)."""
     policy = load_policy(path)
-    return policy, policy_warnings(policy)
+    try:
+        text = path.read_bytes().decode("utf-8")  # as load_policy read it (no newline translation)
+    except (OSError, UnicodeDecodeError):
+        text = None
+    if text is not None and hashlib.sha256(text.encode("utf-8")).hexdigest()[:16] != policy.version:
+        text = None
+    return policy, policy_warnings(policy), text
 
 
 def _log_warnings(warnings: list[str]) -> None:

@@ -192,8 +192,9 @@ class SharedState:
         # timeout (a subscription waits for messages), and the callbacks that drop the key from local caches.
         self._pubsub_client = aioredis.Redis.from_url(url, socket_connect_timeout=socket_timeout_s,
                                                       decode_responses=True)
-        self._on_key_change: list[Callable[[str], None]] = []
+        self._handlers: dict[str, list[Callable[[str], None]]] = {KEY_CHANNEL: []}  # channel -> callbacks
         self._listener: asyncio.Task | None = None
+        self.policy = None  # gateway/shared_policy.py's SharedPolicy once share_policy() ran
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -206,8 +207,22 @@ class SharedState:
         self._loop_task = asyncio.create_task(self._loop(), name="shared-state")
         self._listener = asyncio.create_task(self._listen(), name="shared-state-keys")
 
+    @property
+    def client(self):
+        """The Redis client (read timeouts bounded): for gateway/shared_policy.py."""
+        return self._client
+
+    async def share_policy(self, store) -> None:
+        """Keep the live policy the same on every replica (gateway/shared_policy.py)."""
+        from gateway.shared_policy import SharedPolicy
+
+        self.policy = SharedPolicy(self, store)
+        await self.policy.start()
+
     async def aclose(self) -> None:
         self._closing = True
+        if self.policy is not None:
+            await self.policy.aclose()
         if self._loop_task is not None:
             # Bounded: a cancellation that lands inside redis-py's I/O can be swallowed there; the flag ends the loop
             self._loop_task.cancel()
@@ -227,6 +242,7 @@ class SharedState:
     def health(self) -> dict:
         """`/health`'s `shared_state` block."""
         return {"backend": "redis", "status": "shared" if self.up else "local_fallback", "replica": self.replica_id,
+                **({"policy": self.policy.health()} if self.policy is not None else {}),
                 "replicas": self.replicas,
                 "local_share": None if self.up else 1 / max(1, self.replicas),
                 "down_for_s": None if self.down_since is None else round(time.monotonic() - self.down_since, 1),
@@ -298,7 +314,15 @@ class SharedState:
     # ------------------------------------------------------------------ key changes, every replica at once
 
     def on_key_change(self, callback: Callable[[str], None]) -> None:
-        self._on_key_change.append(callback)
+        self._handlers[KEY_CHANNEL].append(callback)
+
+    def on_message(self, channel: str, callback: Callable[[str], None]) -> None:
+        """Call `callback(data)` for each message on `channel`; a new channel after start() subscribes anew."""
+        new = channel not in self._handlers
+        self._handlers.setdefault(channel, []).append(callback)
+        if new and self._listener is not None and not self._closing:
+            self._listener.cancel()
+            self._listener = asyncio.create_task(self._listen(), name="shared-state-keys")
 
     async def announce_key_change(self, key_id: str) -> None:
         """Tell every replica (this one too) that the key changed: they drop it from their caches now rather than
@@ -307,17 +331,17 @@ class SharedState:
             await self._client.publish(KEY_CHANNEL, key_id)
         except Exception as exc:  # noqa: BLE001 - the answer to the admin call stands
             log.warning("could not announce the change of key %s to the other replicas: %s", key_id, exc)
-            for callback in self._on_key_change:
+            for callback in self._handlers[KEY_CHANNEL]:
                 callback(key_id)
 
     async def _listen(self) -> None:
         while not self._closing:
             pubsub = self._pubsub_client.pubsub(ignore_subscribe_messages=True)
             try:
-                await pubsub.subscribe(KEY_CHANNEL)
+                await pubsub.subscribe(*self._handlers)
                 async for message in pubsub.listen():
                     if message.get("type") == "message":
-                        for callback in self._on_key_change:
+                        for callback in self._handlers.get(str(message["channel"]), ()):
                             callback(str(message["data"]))
             except asyncio.CancelledError:
                 raise
