@@ -43,7 +43,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check gateway router hosted kernels tests bench
 
 bench-gateway: $(STAMP)
-	$(BIN)/python bench/gateway_overhead.py
+	$(BIN)/python -m bench.gateway_overhead
 
 clean:
 	rm -rf $(VENV) data .pytest_cache

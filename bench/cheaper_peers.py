@@ -2,8 +2,8 @@
 precision, under continuous batching, and with llama.cpp's own speculative decoding -- the yardstick for our
 engine's figures in bench/cheaper_model.py (which imports this module: add_args, run, table).
 
-    python bench/cheaper_peers.py --smoke       # standalone, tiny settings (~3 min, most of it vLLM startups)
-    python bench/cheaper_peers.py --out bench/results/cheaper_peers    # default settings (~6-8 min, idle CPU)
+    python -m bench.cheaper_peers --smoke       # standalone, tiny settings (~3 min, most of it vLLM startups)
+    python -m bench.cheaper_peers --out bench/results/cheaper_peers    # default settings (~6-8 min, idle CPU)
 
 The peers are built/installed by bench/peers.py (bench/.peers/, never the project's dependencies); see that
 module for how each server is run and why. Every request is a token-id prompt (`"prompt": [ids]`, identical
@@ -60,13 +60,11 @@ from pathlib import Path
 
 import httpx
 
+
+from bench import peers
+
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
-for _p in (str(ROOT), str(BENCH)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
-import peers
 
 LLAMA_PRECISIONS = ("F32", "BF16", "Q8_0", "Q4_0", "Q4_1")
 VLLM_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}

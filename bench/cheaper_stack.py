@@ -69,8 +69,7 @@ def _serve(engine, prompts: list[list[int]], tokens: int, one_at_a_time: bool) -
 
 
 def run(args, root: Path, tok, log) -> dict[str, Any]:
-    from cheaper_spec import DISTILLED
-
+    from bench.cheaper_spec import DISTILLED
     from hosted.engine import EngineConfig, LLMEngine
 
     usd = policy_gpu_hour_usd(root)

@@ -7,8 +7,8 @@ with the engines loaded once and the decode runs interleaved in rounds (every pr
 rotated), so that a neighbour's load on a shared machine falls on all of them rather than on one; per precision the
 median over rounds of each round's median run is reported.
 
-    python bench/default_precision.py                     # writes bench/results/default_precision_<cpu>.{json,md}
-    python bench/default_precision.py --rounds 2 --ppl-tokens 1024 --out /tmp/p
+    python -m bench.default_precision                     # writes bench/results/default_precision_<cpu>.{json,md}
+    python -m bench.default_precision --rounds 2 --ppl-tokens 1024 --out /tmp/p
 """
 from __future__ import annotations
 
@@ -16,16 +16,12 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
 import torch
-from cheaper_model import (
+
+from bench.cheaper_model import (
     BLOCK,
     GROUP_SIZE,
     MODEL,
@@ -38,8 +34,10 @@ from cheaper_model import (
     log,
     perplexity,
 )
-from cheaper_spec import OPEN_ENDED, encode
-from machine_info import cpu_model
+from bench.cheaper_spec import OPEN_ENDED, encode
+from bench.machine_info import cpu_model
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # "Sound": perplexity at most 1% above fp32's, and fp32's greedy chat answers kept as tests/hosted/test_quantization.py
 # requires of a quantized engine (>= 75% of the tokens the same until the first flip).

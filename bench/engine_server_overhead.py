@@ -1,8 +1,8 @@
 """What serving costs a batch-1 decode step: the time between two decode steps outside the native step, in-process
 and through `switchyard engine serve` (plain and streamed), side by side in one run.
 
-    python bench/engine_server_overhead.py                      # int8, writes bench/results/engine_server_overhead.json
-    python bench/engine_server_overhead.py --precision int4 --rounds 3
+    python -m bench.engine_server_overhead                      # int8, writes bench/results/engine_server_overhead.json
+    python -m bench.engine_server_overhead --precision int4 --rounds 3
 
 Wall-clock tok/s on these machines moves by ±20% within minutes with the host's memory bandwidth, which hides a
 0.3 ms cost in a 4 ms step. So this measures, inside each process, every decode step's native call (the layers and
@@ -33,11 +33,9 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+from bench import peers
 
-import peers
+ROOT = Path(__file__).resolve().parent.parent
 
 MODELS = {"fp32": ("F32", ["--dtype", "float32"]), "bf16": ("F32", ["--dtype", "bfloat16"]),
           "int8": ("F32", ["--dtype", "float32", "--quantization", "int8"]),
@@ -74,8 +72,7 @@ def time_decode_steps(gap_s: float) -> dict:
 # The server's process (python -c): the same hook, its totals written out when the server exits.
 _SERVER_SHIM = r"""
 import atexit, json, os, sys
-sys.path.insert(0, os.environ["SY_BENCH_DIR"])
-from engine_server_overhead import time_decode_steps
+from bench.engine_server_overhead import time_decode_steps
 totals = time_decode_steps(float(os.environ["SY_BENCH_GAP_S"]))
 atexit.register(lambda: open(os.environ["SY_BENCH_OUT"], "w").write(json.dumps(totals)))
 from gateway.cli import main
@@ -100,7 +97,7 @@ class TimedServer(peers._Server):
         self.model = "m"
         self.cmd = [sys.executable, "-c", _SERVER_SHIM, *engine_args(model, extra, self.port, threads)]
         self.env = {**os.environ, "OMP_NUM_THREADS": str(threads), "SY_BENCH_OUT": str(out),
-                    "SY_BENCH_GAP_S": str(gap_s), "SY_BENCH_DIR": str(ROOT / "bench")}
+                    "SY_BENCH_GAP_S": str(gap_s), "PYTHONPATH": str(ROOT)}
 
 
 def in_process(model: Path, extra: list[str], args, gap_s: float) -> dict:

@@ -18,9 +18,9 @@ Also measured:
   * TTFT with a shared 1,024-token system prompt: first request (prefix-cache miss) vs a later request
     with the same system prompt and a different question (hit).
 
-    python bench/engine_throughput.py                 # full run (long on a small CPU)
-    python bench/engine_throughput.py --quick         # smoke run, < 1 minute
-    nice -n 10 python bench/engine_throughput.py --hf-requests 8
+    python -m bench.engine_throughput                 # full run (long on a small CPU)
+    python -m bench.engine_throughput --quick         # smoke run, < 1 minute
+    nice -n 10 python -m bench.engine_throughput --hf-requests 8
 
 Prints a table and writes bench/results/engine_throughput.json.
 """
@@ -38,14 +38,13 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
 import torch
 
-SMOLLM_135M = {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
-               "intermediate_size": 1536, "vocab_size": 49152, "tie_word_embeddings": True,
-               "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0}
+from bench.fixtures import random_smollm
+from bench.roofline import copy_bandwidth
+
+ROOT = Path(__file__).resolve().parent.parent
+
 TARGETS = {"engine_vs_hf_sequential": 15.0, "engine_vs_hf_static": 2.5, "bandwidth_fraction": 0.75,
            "prefix_ttft_speedup": 5.0}
 
@@ -55,20 +54,6 @@ def log(msg: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ setup
-def build_model(directory: Path, layers: int, seed: int) -> dict:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    shape = {**SMOLLM_135M, "num_hidden_layers": layers}
-    torch.manual_seed(seed)
-    config = LlamaConfig(**shape, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    model = LlamaForCausalLM(config)
-    model.save_pretrained(str(directory))
-    params = sum(p.numel() for p in model.parameters())
-    del model
-    gc.collect()
-    return {**shape, "parameters": params}
-
-
 def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(100, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
@@ -196,20 +181,6 @@ def bench_engine(engine, prompts: list[list[int]], new_tokens: int) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ bandwidth
-def copy_bandwidth(megabytes: int = 512, repeats: int = 6) -> dict:
-    n = megabytes * (1 << 20) // 4
-    src = torch.rand(n)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t0)
-    moved = 2 * n * 4  # read + write
-    return {"bytes_moved": moved, "best_seconds": best, "gb_s": moved / best / 1e9}
-
-
 def bench_decode_bandwidth(engine, model_info: dict, prompt_len: int, decode_tokens: int, seed: int) -> dict:
     from hosted.sampling_params import SamplingParams
 
@@ -367,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="sy-bench-") as tmp:
         model_dir = Path(tmp) / "smollm-135m-shape"
         log(f"building random-weight model ({layers} layers) in {model_dir}")
-        info = build_model(model_dir, layers, args.seed)
+        info = random_smollm(model_dir, layers, seed=args.seed)
         results["model"] = info
         prompts = make_prompts(n_req, lo, hi, info["vocab_size"], args.seed)
         need_tokens = sum(len(p) + new_tokens for p in prompts)

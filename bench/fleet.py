@@ -12,13 +12,12 @@ Measured per strategy: prefix hit rate (cached / prompt tokens, the engines' own
 time to the first content chunk), throughput (requests/s), load spread (requests per replica, max / mean).
 Targets (issue 32): cache-aware >= 2x round-robin's hit rate, >= 30% lower p50 TTFT, no replica > 1.5x mean.
 
-    .venv/bin/python bench/fleet.py            # prints a table, writes bench/results/fleet.json
+    .venv/bin/python -m bench.fleet            # prints a table, writes bench/results/fleet.json
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import random
@@ -33,12 +32,11 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-from machine_info import free_port, machine
-
+from bench.machine_info import free_port, machine
+from bench.servers import wait_http
 from gateway.testing.standin import run_standin, standin_control, standin_stats
+
+ROOT = Path(__file__).resolve().parent.parent
 
 KEY = "sk-bench-fleet"
 STRATEGIES = ("cache_aware", "round_robin", "least_loaded")
@@ -100,16 +98,6 @@ async def run_strategy(gateway: str, strategy: str, convs: list, args: argparse.
     return {"requests": len(ttfts), "wall_s": wall, "throughput_rps": len(ttfts) / wall,
             "ttft_p50_ms": statistics.median(ttfts) * 1000,
             "ttft_p95_ms": ttfts[min(len(ttfts) - 1, int(0.95 * len(ttfts)))] * 1000}
-
-
-def wait_http(url: str, timeout: float) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        time.sleep(0.25)
-    raise TimeoutError(f"{url} not ready after {timeout:.0f} s")
 
 
 def policy_text(engines: list[str]) -> str:

@@ -5,14 +5,15 @@ One run, one machine, four targets on the same stand-in OpenAI upstream (127.0.0
   `litellm`-kind backend, (d) LiteLLM's own proxy (`litellm[proxy]`, in its own venv so its
   pinned dependencies cannot disturb ours). Ledger logging is on (SQLite) for the gateway.
 
-    python bench/gateway_overhead.py [--quick] [--litellm-venv .venv-bench]
-    python bench/gateway_overhead.py --render-docs   # only rewrite docs/benchmarks.md's table from the JSON
+    python -m bench.gateway_overhead [--quick] [--litellm-venv .venv-bench]
+    python -m bench.gateway_overhead --render-docs   # only rewrite docs/benchmarks.md's table from the JSON
 
-Prints a table and writes bench/results/gateway_overhead.json. The gateway runs with
+Prints a table and files the run in bench/results/gateway_overhead/<machine>.json (bench/store.py; `--out FILE`
+writes that file instead). The gateway runs with
 SWITCHYARD_STAGE_PROFILE=1 (gateway/stage_profile.py): for each gateway target the concurrency-1 run's
 per-stage times (auth, body, route, reserve, admit, send, upstream, dispatch, finish, respond) are printed
 and saved beside the latencies, so a missed target says where the time goes. The run is compared with the
-previous JSON when it came from the same machine (CPU model and count): how far each path moved. The
+previous run filed for this machine (same CPU model and count): how far each path moved. The
 table in docs/benchmarks.md between the `gateway-overhead` markers is written from the JSON, never typed.
 """
 from __future__ import annotations
@@ -20,8 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -30,44 +29,19 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loadgen import LoadResult, run_load
-from machine_info import free_port, machine
+from bench import store
+from bench.loadgen import LoadResult, run_load
+from bench.machine_info import free_port, machine
+from bench.servers import start, stop, wait_http
 
 ROOT = Path(__file__).resolve().parent.parent
 # The newest litellm whose `proxy` extra resolves from the package registry here (1.109+ pins proxy
 # packages that are not published there); close to the gateway's own litellm.
 LITELLM_PROXY_VERSION = "1.108.0"
 KEY = "sk-bench"
-DEFAULT_OUT = ROOT / "bench" / "results" / "gateway_overhead.json"
+BENCH = "gateway_overhead"
 BODY = json.dumps({"model": "MODEL", "messages": [{"role": "user", "content": "Say something short please"}],
                    "max_tokens": 16})
-
-
-def wait_http(url: str, timeout: float, headers: dict | None = None) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            if httpx.get(url, timeout=2, headers=headers).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    raise TimeoutError(f"{url} not ready after {timeout:.0f} s")
-
-
-def start(cmd: list[str], env: dict, log: Path) -> subprocess.Popen:
-    return subprocess.Popen(cmd, env={**os.environ, **env}, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
-                            cwd=ROOT, start_new_session=True)
-
-
-def stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGINT)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
 
 
 def stage_profile(gateway_root: str, reset: bool) -> dict:
@@ -202,17 +176,28 @@ def main() -> int:
     parser.add_argument("--litellm-venv", type=Path, default=ROOT / ".venv-bench")
     parser.add_argument("--skip-litellm-proxy", action="store_true")
     parser.add_argument("--quick", action="store_true", help="a smoke run: few requests, short runs")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--out", type=Path, default=None,
+                        help="write this JSON file (and compare with it) instead of this machine's results record")
+    parser.add_argument("--label", default="", help="a name for this run in the results history (--quick: 'quick')")
     parser.add_argument("--render-docs", action="store_true",
-                        help="only rewrite docs/benchmarks.md's gateway-overhead table from --out, then exit")
+                        help="only rewrite docs/benchmarks.md's gateway-overhead table from --out (default: the "
+                             "latest full run on this machine), then exit")
     args = parser.parse_args()
+    label = args.label or ("quick" if args.quick else "")
     if args.render_docs:
-        if not render_docs(json.loads(args.out.read_text())):
+        latest = json.loads(args.out.read_text()) if args.out else store.latest(BENCH, label="")
+        if latest is None:
+            print(f"no full {BENCH} run filed for {machine()['slug']}", file=sys.stderr)
+            return 1
+        if not render_docs(latest):
             print(f"no gateway-overhead markers in {DOCS}", file=sys.stderr)
             return 1
         print(f"rewrote the gateway-overhead table in {DOCS}")
         return 0
-    previous = json.loads(args.out.read_text()) if args.out.exists() else None
+    if args.out is not None:
+        previous = json.loads(args.out.read_text()) if args.out.exists() else None
+    else:
+        previous = store.latest(BENCH, label=label)
     if args.quick:
         args.latency_requests, args.seconds, args.concurrency = 100, 1.0, [8]
 
@@ -319,10 +304,8 @@ litellm_settings:
             print("\n".join(table))
     if previous and not drift(previous, payload):
         print("\n(previous run was on another machine: no drift comparison)")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(payload, indent=2))
-    print(f"\nsaved {args.out}")
-    if not args.quick and args.out == DEFAULT_OUT and render_docs(payload):
+    print(f"\nsaved {store.save(BENCH, payload, label=label, out=args.out)}")
+    if not args.quick and args.out is None and not label and render_docs(payload):
         print(f"rewrote the gateway-overhead table in {DOCS}")
     return 0
 

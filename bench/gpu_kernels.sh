@@ -17,9 +17,9 @@ mkdir -p "$RESULTS"
 
 if [[ "${1:-}" == "--cpu-smoke" ]]; then
   # Every Python file the GPU run uses must at least import and run here.
-  env -u TRITON_INTERPRET SWITCHYARD_KERNELS=reference "$PY" bench/kernels_bench.py --cpu-smoke \
+  env -u TRITON_INTERPRET SWITCHYARD_KERNELS=reference "$PY" -m bench.kernels_bench --cpu-smoke \
     --out "$RESULTS/kernels_cpu_smoke"
-  "$PY" bench/engine_decode.py --cpu-smoke --out "$RESULTS/engine_decode_cpu_smoke"
+  "$PY" -m bench.engine_decode --cpu-smoke --out "$RESULTS/engine_decode_cpu_smoke"
   "$PY" -c "import ast, sys; [ast.parse(open(f).read(), f) for f in sys.argv[1:]]" \
     bench/kernels_bench.py bench/engine_decode.py kernels/compile_check.py tests/kernels/test_kernel_triton.py
   echo "cpu smoke OK"
@@ -41,7 +41,7 @@ SWITCHYARD_KERNEL_TEST_DEVICE=cuda "$PY" -m pytest tests/kernels -q -p no:cachep
   2>&1 | tee "$RESULTS/kernels_tests_${TAG}.txt"
 
 echo "== kernel benchmarks"
-"$PY" bench/kernels_bench.py --out "$RESULTS/kernels_${TAG}"
+"$PY" -m bench.kernels_bench --out "$RESULTS/kernels_${TAG}"
 
 echo "== engine end-to-end decode (8B-shape Llama: bf16, int8, int4; batch 1 MBU and batch 64)"
-"$PY" bench/engine_decode.py --device cuda --out "$RESULTS/engine_decode_${TAG}"
+"$PY" -m bench.engine_decode --device cuda --out "$RESULTS/engine_decode_${TAG}"

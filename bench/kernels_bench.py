@@ -4,8 +4,8 @@ On CUDA: times the Triton kernels (through kernels.ops) against the card's peak 
 against torch peers measured in the same run (fp16 torch.matmul for the GEMVs, torch SDPA over a
 dense contiguous KV cache for decode attention). Writes <out>.json and <out>.md.
 
-    python bench/kernels_bench.py --out bench/results/kernels_h100
-    python bench/kernels_bench.py --cpu-smoke --out /tmp/smoke   # tiny shapes, reference path, CPU
+    python -m bench.kernels_bench --out bench/results/kernels_h100
+    python -m bench.kernels_bench --cpu-smoke --out /tmp/smoke   # tiny shapes, reference path, CPU
 
 Bytes counted: decode attention reads K and V for every context position of every KV head (plus q
 and out); a GEMV reads the whole weight (int8: N*K + 4N bytes of scales; int4: N*K/2 + scales and
@@ -20,7 +20,6 @@ import math
 import os
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -30,30 +29,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.roofline import peak_bandwidth
 from kernels import ops
-
-# Spec HBM bandwidth in bytes/s, matched against torch.cuda.get_device_name() (first hit wins).
-PEAK_BANDWIDTH = [
-    ("H200", 4.8e12),
-    ("H100 PCIe", 2.0e12),
-    ("H100 NVL", 3.9e12),
-    ("H100", 3.35e12),  # SXM5 / HBM3
-    ("GH200", 4.0e12),
-    ("A100-SXM4-80GB", 2.039e12),
-    ("A100 80GB PCIe", 1.935e12),
-    ("A100", 1.555e12),  # 40 GB
-    ("L40S", 0.864e12),
-    ("L4", 0.3e12),
-    ("A10", 0.6e12),
-]
-
-
-def peak_bandwidth(device_name: str) -> float | None:
-    for key, bw in PEAK_BANDWIDTH:
-        if key.lower() in device_name.lower():
-            return bw
-    return None
 
 
 @dataclass(slots=True)

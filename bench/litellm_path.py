@@ -7,7 +7,7 @@ aiohttp POST per call to the same upstream. Per call, concurrency 1: wall p50/p9
 (the upstream's CPU is not counted). `--profile` adds where the full litellm call's CPU goes (cProfile,
 exclusive time by area), the breakdown docs/api-path.md quotes.
 
-    python bench/litellm_path.py [--calls 400] [--rounds 3] [--profile]
+    python -m bench.litellm_path [--calls 400] [--rounds 3] [--profile]
 
 Prints a table and writes bench/results/litellm_path.json. The machine is shared: compare the ratios.
 """
@@ -21,24 +21,24 @@ import json
 import os
 import platform
 import pstats
-import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 import aiohttp
 import orjson
-from machine_info import cpu_model, free_port
 
+from bench.machine_info import cpu_model, free_port
+from bench.servers import start, stop, wait_port
 from gateway.backends.litellm_backend import LiteLLMBackend
 from gateway.policy import BackendSpec
+
+ROOT = Path(__file__).resolve().parent.parent
 
 KEY_ENV = "BENCH_LITELLM_PATH_KEY"
 CHAT = {"model": "bench", "messages": [{"role": "user", "content": "Say something short please"}], "max_tokens": 16}
@@ -62,15 +62,14 @@ AREAS = [
 
 def start_standin() -> tuple[subprocess.Popen, str]:
     port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "gateway.testing.standin", "--port", str(port)], cwd=ROOT,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
-            return process, f"http://127.0.0.1:{port}/v1"
-        time.sleep(0.1)
-    process.kill()
-    raise TimeoutError("the stand-in upstream did not start")
+    process = start([sys.executable, "-m", "gateway.testing.standin", "--port", str(port)], None,
+                    Path(tempfile.gettempdir()) / f"sy-litellm-path-standin-{port}.log")
+    try:
+        wait_port(port, 60, process)
+    except (TimeoutError, RuntimeError):
+        stop(process)
+        raise
+    return process, f"http://127.0.0.1:{port}/v1"
 
 
 async def _time_calls(call, calls: int) -> dict:
@@ -193,8 +192,7 @@ def main() -> int:
         rounds = asyncio.run(measure(url, args.calls, args.rounds))
         profile = asyncio.run(profile_full_call(url, args.calls)) if args.profile else None
     finally:
-        process.terminate()
-        process.wait(10)
+        stop(process, timeout=10)
     summary = {name: {k: statistics.median(r[k] for r in runs) for k in ("p50_ms", "p99_ms", "cpu_ms_per_call")}
                for name, runs in rounds.items()}
     floor = summary["bare aiohttp POST (floor)"]

@@ -5,9 +5,9 @@ worktree's own `gateway` package comes first on the path). Rounds alternate base
 slow spell of a shared machine hits both sides; each run also measures the stand-in direct, so overheads
 are differences taken inside one run.
 
-    .venv/bin/python bench/overhead_before_after.py [--base 7454a84] [--rounds 2] [--quick]
+    .venv/bin/python -m bench.overhead_before_after [--base 7454a84] [--rounds 2] [--quick]
 
-Prints a table and writes bench/results/overhead_before_after.json.
+Prints a table and files the run in bench/results/overhead_before_after/<machine>.json (bench/store.py).
 """
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench import store
+
 ROOT = Path(__file__).resolve().parent.parent
 TARGETS = ("gateway, engine backend", "gateway, engine backend, difficulty router on", "gateway, litellm backend")
 
@@ -28,13 +30,16 @@ def worktree(base: str) -> Path:
     sha = subprocess.run(["git", "rev-parse", "--short", base], cwd=ROOT, check=True, capture_output=True,
                          text=True).stdout.strip()
     path = Path(tempfile.gettempdir()) / f"switchyard-base-{sha}"
-    if not (path / "bench" / "gateway_overhead.py").exists():
+    if not (path / "bench" / "gateway_overhead.py").exists():  # the benchmark's file in either layout
         subprocess.run(["git", "worktree", "add", "--quiet", "--detach", str(path), sha], cwd=ROOT, check=True)
     return path
 
 
 def run_once(tree: Path, out: Path, quick: bool) -> dict:
-    cmd = [sys.executable, str(tree / "bench" / "gateway_overhead.py"), "--skip-litellm-proxy", "--out", str(out)]
+    # A tree with bench/ as a package runs it as a module; an older one ran the file (which edited sys.path).
+    entry = ["-m", "bench.gateway_overhead"] if (tree / "bench" / "__init__.py").exists() \
+        else [str(tree / "bench" / "gateway_overhead.py")]
+    cmd = [sys.executable, *entry, "--skip-litellm-proxy", "--out", str(out)]
     subprocess.run(cmd + (["--quick"] if quick else []), cwd=tree, check=True, stdout=subprocess.DEVNULL,
                    env={**os.environ, "PYTHONPATH": str(tree)})
     return json.loads(out.read_text())["results"]
@@ -45,7 +50,8 @@ def main() -> int:
     parser.add_argument("--base", default="7454a84", help="the commit to compare against")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "overhead_before_after.json")
+    parser.add_argument("--out", type=Path, default=None, help="write this JSON file instead of filing the run")
+    parser.add_argument("--label", default="", help="a name for this run in the results history")
     args = parser.parse_args()
     trees = {"before": worktree(args.base), "after": ROOT}
     runs: dict[str, list[dict]] = {"before": [], "after": []}
@@ -72,10 +78,10 @@ def main() -> int:
               f"({row['peak_rps_after'] / row['peak_rps_before']:.2f}×) |")
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                           check=False)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"base": args.base, "head": head.stdout.strip(), "rounds": args.rounds,
-                                    "quick": args.quick, "medians": table, "runs": runs}, indent=1))
-    print(f"\nsaved {args.out} (medians of {args.rounds} alternated rounds; 'after' is the working tree)")
+    saved = store.save("overhead_before_after", {"base": args.base, "head": head.stdout.strip(), "rounds": args.rounds,
+                                                 "quick": args.quick, "medians": table, "runs": runs},
+                       label=args.label or ("quick" if args.quick else ""), out=args.out)
+    print(f"\nsaved {saved} (medians of {args.rounds} alternated rounds; 'after' is the working tree)")
     return 0
 
 

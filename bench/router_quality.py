@@ -8,7 +8,7 @@
    family of the model's out-of-fold scores against the prompt-length heuristic.
 
 Prints tables, writes bench/results/router_quality.json and a PNG of the 70/30 curves.
-    .venv/bin/python bench/router_quality.py [--data FILE] [--folds 5] [--quick]
+    .venv/bin/python -m bench.router_quality [--data FILE] [--folds 5] [--quick]
 """
 from __future__ import annotations
 
@@ -20,9 +20,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from router.dataset import LabelledSet, load_labelled
 from router.features import FeatureConfig
@@ -39,6 +36,8 @@ from router.train import (
     labels,
     seed_files,
 )
+
+ROOT = Path(__file__).resolve().parent.parent
 
 Scorer = Callable[[np.ndarray, np.ndarray], np.ndarray]  # (train rows, test rows) -> test scores
 

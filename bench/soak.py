@@ -14,7 +14,7 @@ the first 10% of the short requests served) to the end, and to the peak. Afterwa
 per request sent. Prints a table, writes bench/results/soak.json, soak.md and soak.png (RSS and latency over
 time).
 
-    .venv/bin/python bench/soak.py [--streams 1000] [--requests 200000] [--quick]
+    .venv/bin/python -m bench.soak [--streams 1000] [--requests 200000] [--quick]
 """
 from __future__ import annotations
 
@@ -34,9 +34,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gateway_overhead import KEY, free_port, start, stop, wait_http
-from loadgen import build_request, run_load
+from bench.gateway_overhead import KEY
+from bench.loadgen import build_request, run_load
+from bench.machine_info import free_port
+from bench.servers import start, stop, wait_http
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"

@@ -2,7 +2,7 @@
 (prompt lookup) and draft-model proposals, on an input-grounded workload (the answer copies the prompt) and on
 open-ended text, side by side in one run; acceptance rates and the steps taken.
 
-    python bench/spec_decode.py --out bench/results/spec_decode_cpu       # ~2 min on 2 CPU cores
+    python -m bench.spec_decode --out bench/results/spec_decode_cpu       # ~2 min on 2 CPU cores
 
 Drafts: the demo model itself (acceptance ~100%, but every draft token costs a full target forward, so the
 goodput planner should switch it off) and its first two layers (same embeddings and head, untrained as a
@@ -17,13 +17,9 @@ import argparse
 import json
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -31,6 +27,8 @@ from safetensors.torch import load_file, save_file
 from hosted.engine import EngineConfig, LLMEngine, SamplingParams
 from hosted.models import DEMO_MODEL_DIR
 from hosted.tokenizer import Tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
 
 CODE = '''def read_config(path):
     """Read a JSON configuration file and return it as a dict."""

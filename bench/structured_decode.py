@@ -2,7 +2,7 @@
 batch 32, the same prompts unconstrained and constrained by a JSON schema, with the grammar masks filled on a
 worker thread during the forward ("overlap", the engine's default) and inline after it.
 
-    python bench/structured_decode.py            # ~2 min on 2 CPU cores; writes bench/results/structured_decode.json
+    python -m bench.structured_decode            # ~2 min on 2 CPU cores; writes bench/results/structured_decode.json
 
 The schema forces a long answer (an array of at least 40 short strings), so constrained sequences run to
 max_tokens exactly as unconstrained ones (ignore_eos) do: every configuration generates the same number of
@@ -14,21 +14,20 @@ import argparse
 import dataclasses
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 import torch
 
 from hosted.async_llm_engine import AsyncLLMEngine
 from hosted.engine import EngineConfig, LLMEngine
 from hosted.models import SMOLLM2_MODEL
-from hosted.openai_protocol import ChatCompletionRequest, parse_request
 from hosted.request_plan import plan_chat
 from hosted.tokenizer import Tokenizer
+from openai_wire.engine_requests import EngineChatRequest
+from openai_wire.request_errors import parse
+
+ROOT = Path(__file__).resolve().parent.parent
 
 SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "minItems": 40,
                                                      "items": {"type": "string", "maxLength": 12}}},
@@ -73,7 +72,7 @@ def main() -> None:
                 "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}
         if constrained:
             body["response_format"] = {"type": "json_schema", "json_schema": {"name": "list", "schema": SCHEMA}}
-        return plan_chat(parse_request(ChatCompletionRequest, body), tok, aeng).jobs[0]
+        return plan_chat(parse(EngineChatRequest, body), tok, aeng).jobs[0]
 
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
