@@ -132,12 +132,11 @@ def _flag(value: Any) -> bool:
 
 
 async def _answer(request: Request, work) -> Response:
-    """Run an endpoint's work; map every expected failure to an OpenAI error (the middleware adds the id)."""
+    """Run an endpoint's work; map every expected failure to an OpenAI error (the middleware adds the id; an
+    APIError goes to the app's exception handler)."""
     try:
         actor = await _admin(request)
         return await work(actor, request.app.state.gw.db_engine)
-    except APIError as exc:
-        return error_response(exc)
     except KeyNotFound:
         return error_response(_not_found(request.path_params.get("key_id", "")))
     except KeyRevoked as exc:

@@ -267,10 +267,7 @@ async def responses(request: Request) -> Response:
 
 async def list_models(request: Request) -> Response:
     gw: Gateway = request.app.state.gw
-    try:
-        key = await gw.services.auth.authenticate(request.headers.get("authorization"))
-    except APIError as exc:
-        return error_response(exc)
+    key = await gw.services.auth.authenticate(request.headers.get("authorization"))
     created, policy = int(gw.started_at), gw.services.policy_store.current
     data = [model_cards.entry(name, route, policy, created)
             for name, route in policy.routes.items() if key.allows(name)]  # a key lists what it may use
@@ -280,14 +277,11 @@ async def list_models(request: Request) -> Response:
 async def retrieve_model(request: Request) -> Response:
     """`client.models.retrieve(ID)`: a route of the live policy as an OpenAI model object, or 404."""
     gw: Gateway = request.app.state.gw
-    try:
-        key = await gw.services.auth.authenticate(request.headers.get("authorization"))
-        name = request.path_params["model"]
-        routes = [route for route in gw.services.policy_store.current.routes if key.allows(route)]
-        if name not in routes:
-            raise errors.model_not_found(name, routes)
-    except APIError as exc:
-        return error_response(exc)
+    key = await gw.services.auth.authenticate(request.headers.get("authorization"))
+    name = request.path_params["model"]
+    routes = [route for route in gw.services.policy_store.current.routes if key.allows(route)]
+    if name not in routes:
+        raise errors.model_not_found(name, routes)
     policy = gw.services.policy_store.current
     body = model_cards.entry(name, policy.routes[name], policy, int(gw.started_at))
     return Response(orjson.dumps(body), media_type="application/json")
@@ -350,10 +344,7 @@ async def stage_profile_summary(request: Request) -> Response:
     """GET /admin/stage-profile (master or admin key; only with SWITCHYARD_STAGE_PROFILE=1): per-route stage times;
     `?reset=1` clears them after reading (gateway/stage_profile.py)."""
     gw: Gateway = request.app.state.gw
-    try:
-        await gw.services.auth.authenticate_admin(request.headers.get("authorization"), "The stage profile")
-    except APIError as exc:
-        return error_response(exc)
+    await gw.services.auth.authenticate_admin(request.headers.get("authorization"), "The stage profile")
     summary = stage_profile.STORE.summary()
     if request.query_params.get("reset") in ("1", "true"):
         stage_profile.STORE.reset()
@@ -385,7 +376,8 @@ def create_app(config: GatewayConfig) -> Any:
               else []),
         ],
         lifespan=_lifespan,
-        exception_handlers={404: _not_found, 405: _method_not_allowed},
+        # the one place an APIError becomes a response (the hot path uses the same handler)
+        exception_handlers={APIError: errors.answer, 404: _not_found, 405: _method_not_allowed},
         middleware=[Middleware(edge)],
     )
     app.state.config = config

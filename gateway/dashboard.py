@@ -123,8 +123,6 @@ def _endpoint(query: Query) -> Callable[[Request], Any]:
             ledger = await _ledger(request)
             policy = request.app.state.services.policy_store.current
             payload = await asyncio.to_thread(query, ledger, window, policy, request)
-        except APIError as exc:
-            return error_response(exc)
         except (ReportError, sa.exc.SQLAlchemyError) as exc:
             message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             return error_response(APIError(503, f"The ledger cannot be read: {message}", type="api_error",
@@ -253,10 +251,7 @@ def _savings(ledger: Ledger, w: Window, policy: Any, request: Request) -> dict[s
 
 
 async def page(request: Request) -> Response:
-    try:
-        await _check_admin(request, query_key=True)
-    except APIError as exc:
-        return error_response(exc)
+    await _check_admin(request, query_key=True)
     html = _page_html().replace("__PLOTLY_VERSION__", _plotly()[0])
     return Response(html, media_type="text/html; charset=utf-8",
                     headers={"Cache-Control": "no-store", "Referrer-Policy": "no-referrer",
@@ -278,10 +273,7 @@ def _plotly() -> tuple[str, bytes, bytes, str]:
 
 
 async def plotly_js(request: Request) -> Response:
-    try:
-        await _check_admin(request)
-    except APIError as exc:
-        return error_response(exc)
+    await _check_admin(request)
     _, data, packed, etag = await asyncio.to_thread(_plotly)
     headers = {"Cache-Control": _PLOTLY_CACHE, "ETag": etag, "Vary": "Accept-Encoding, Authorization",
                "X-Content-Type-Options": "nosniff"}

@@ -1,16 +1,27 @@
 """The gateway's OpenAI errors: factories for the status codes clients expect.
 
-The exception type and its body are `openai_wire.APIError` (shared with the engine); answer one with
-`openai_wire.responses.error_response`.
+The exception type and its body are `openai_wire.APIError` (shared with the engine). Code that refuses a request
+raises one; `answer` is the one place it becomes a response (the Starlette app's exception handler, and the hot
+path's, gateway/hot_path.py).
 """
 from __future__ import annotations
 
-from openai_wire import APIError
+from typing import Any
 
-__all__ = ["APIError", "authentication", "backend_misconfigured", "circuit_open", "clip", "engine_starting", "invalid_request", "model_not_found",
+from openai_wire import APIError
+from openai_wire.responses import error_response
+
+__all__ = ["APIError", "answer", "authentication", "backend_misconfigured", "circuit_open", "clip", "engine_starting", "invalid_request", "model_not_found",
            "quota_exceeded", "rate_limited", "request_too_large", "upstream_failed", "upstream_rejected"]
 
 ECHO_CHARS = 64  # a client's string echoed in an error message is cut to this many characters
+
+
+async def answer(request: Any, exc: Exception) -> Any:
+    """An APIError as its OpenAI error response: the exception handler of the gateway's app (Starlette's
+    signature; `request` is unused)."""
+    assert isinstance(exc, APIError)
+    return error_response(exc)
 
 
 def clip(value: object, limit: int = ECHO_CHARS) -> str:

@@ -105,10 +105,10 @@ async def handle(services: Services, request: Request, endpoint: Endpoint) -> Re
     request_id = http_edge.request_id_of(request.scope)  # the one x-request-id, error body and row share
     try:
         key = await services.auth.authenticate(request.headers.get("authorization"))
-        stage_profile.mark("auth")
-    except APIError as exc:
+    except APIError:
         metrics.AUTH_FAILURES.inc()
-        return _with_id(error_response(exc), request_id)
+        raise  # answered by the app's exception handler (gateway/errors.py answer)
+    stage_profile.mark("auth")
     record = LedgerRecord(request_id=request_id, created_at=datetime.now(UTC), api_key_id=key.id,
                           team=errors.clip(key.team, _TEAM_CHARS) if key.team else key.team,
                           endpoint=ENDPOINT_NAMES[endpoint])
@@ -127,9 +127,10 @@ async def _serve(services: Services, request: Request, endpoint: Endpoint, recor
                  started: float, in_flight: metrics.InFlight) -> Response:
     try:
         call = await _admit(services, request, endpoint, record, key, started, in_flight)
-    except APIError as exc:
+    except APIError as exc:  # refused: its row, and the answer's headers on the error the app's handler answers
         _log_rejection(services, record, exc, started)
-        return _answer_headers(error_response(exc), record)
+        exc.headers.update(_about(record))
+        raise
     try:
         if call.body.get("stream"):
             return await _stream(services, request, call)
@@ -670,14 +671,22 @@ def _with_id(response: Response, request_id: str) -> Response:
 def _answer_headers(response: Response, record: LedgerRecord) -> Response:
     """What a /v1 answer says about itself, as far as it is known: the backend, the route reason and the cost
     its ledger row records (0 for a failure). The request id: http_edge (the client's own when it sent a sane one)."""
+    response.headers.update(_about(record))
+    return response
+
+
+def _about(record: LedgerRecord) -> dict[str, str]:
+    """_answer_headers' headers (for an answer, or an APIError the app's handler answers)."""
+    headers = {}
     if record.backend:
-        response.headers["x-switchyard-backend"] = record.backend
+        headers["x-switchyard-backend"] = record.backend
     if record.replica:
-        response.headers["x-switchyard-replica"] = record.replica
+        headers["x-switchyard-replica"] = record.replica
     if record.route_reason:
-        response.headers["x-switchyard-route-reason"] = record.route_reason
-    response.headers["x-switchyard-cost-usd"] = usd_header(record.cost_usd)
-    return _with_id(response, record.request_id)
+        headers["x-switchyard-route-reason"] = record.route_reason
+    headers["x-switchyard-cost-usd"] = usd_header(record.cost_usd)
+    headers["x-request-id"] = record.request_id
+    return headers
 
 
 def usd_header(value: float | None) -> str:

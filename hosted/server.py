@@ -66,7 +66,8 @@ def build_app(state: ServerState, loader: Callable[[], tuple[AsyncLLMEngine, Tok
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/openapi.json", openapi.serve_document, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=_lifespan, middleware=[Middleware(RequestIdMiddleware)])
+    app = Starlette(routes=routes, lifespan=_lifespan, middleware=[Middleware(RequestIdMiddleware)],
+                    exception_handlers={APIError: _api_error})
     app.state.server = state
     app.state.loading = _Loading(loader, on_ready, on_load_error)
     return app
@@ -150,13 +151,9 @@ async def completions(request: Request) -> Response:
 async def _serve(request: Request, kind: str) -> Response:
     state: ServerState = request.app.state.server
     t_arrival = time.monotonic()
-    try:
-        engine, tokenizer = state.ready()
-        plan = await _plan(request, kind, state, tokenizer, engine)
-        admission = _admit(engine, plan)
-    except APIError as err:
-        state.metrics.observe_request(_status_label(err.status))
-        return error_response(err)
+    engine, tokenizer = state.ready()  # an APIError from here on: the app's handler (_api_error) answers it
+    plan = await _plan(request, kind, state, tokenizer, engine)
+    admission = _admit(engine, plan)
     gen = Generation(engine, tokenizer, plan, admission, t_arrival)
     if plan.stream:
         return EventStreamResponse(_stream(state, gen), on_end=functools.partial(_end_stream, state, gen))
@@ -190,6 +187,18 @@ def _admit(engine: AsyncLLMEngine, plan: Plan) -> Admission:
     except EngineOverloaded as exc:
         raise APIError(429, str(exc), type="rate_limit_error", code="engine_overloaded",
                        headers={"Retry-After": str(math.ceil(exc.retry_after))}) from None
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    """The one place an APIError becomes a response (the app's exception handler); a refused completion request
+    is counted by its status."""
+    assert isinstance(exc, APIError)
+    if request.url.path in _COUNTED:
+        request.app.state.server.metrics.observe_request(_status_label(exc.status))
+    return error_response(exc)
+
+
+_COUNTED = frozenset({"/v1/chat/completions", "/v1/completions"})
 
 
 def _status_label(status: int) -> str:
