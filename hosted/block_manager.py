@@ -1,14 +1,20 @@
 """Paged KV-cache bookkeeping: a pool of fixed-size blocks, per-sequence block tables, ref counts,
-and the prefix cache (full blocks found by a chained hash, verified exactly, evicted LRU)."""
+and the prefix cache (full blocks found by a chained hash, verified exactly, evicted LRU). With KV tiers
+attached (hosted/kv_tiers.py), an evicted cached block is demoted to host memory / disk instead of dropped,
+and a prefix match continues into those tiers."""
 from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import xxhash
 
 from hosted.sequence import Sequence
+
+if TYPE_CHECKING:
+    from hosted.kv_tiers import KVTiers, TierBlock
 
 _ROOT_HASH = 0
 
@@ -25,6 +31,15 @@ class Block:
     # different prefixes share KV: the whole chain is verified token for token.
     parent: tuple[int, int] | None = None
     generation: int = 0  # bumped every time the block is handed out for new content
+    # The 128-bit chain digest of the whole prefix (hosted/kv_tiers.chain_key), and the parent's: the identity
+    # a block keeps when it is demoted below the device, where (block_id, generation) no longer exists.
+    key: bytes = b""
+    parent_key: bytes = b""
+
+
+def chain_hash_of(bm: BlockManager, hit_ids: list[int]) -> int:
+    """The chain hash of the last of the device hits (the root hash when there are none)."""
+    return bm.blocks[hit_ids[-1]].hash if hit_ids else _ROOT_HASH
 
 
 def chain_hash(parent_hash: int, token_ids: list[int] | tuple[int, ...]) -> int:
@@ -48,6 +63,12 @@ class BlockManager:
         self._by_hash: dict[int, int] = {}
         self.prefix_queries_tokens = 0
         self.prefix_hit_tokens = 0
+        self.tiers: KVTiers | None = None
+
+    def attach_tiers(self, tiers: KVTiers) -> None:
+        """Demote evicted cached blocks into `tiers` and match prefixes into them (needs prefix caching)."""
+        if self.enable_prefix_caching:
+            self.tiers = tiers
 
     # ---- pool state -------------------------------------------------------------------------------
     @property
@@ -90,10 +111,62 @@ class BlockManager:
             parent_hash, parent = h, (block_id, block.generation)
         return ids, hashes
 
+    def match_lower(self, seq: Sequence, hit_ids: list[int]) -> tuple[list[TierBlock], list[int]]:
+        """After the device hits `hit_ids`, the blocks continuing the prefix in the host / disk tiers, cut to
+        the part worth restoring rather than recomputing; with their chain hashes. Takes nothing."""
+        tiers = self.tiers
+        if tiers is None:
+            return [], []
+        from hosted.kv_tiers import ROOT_KEY, chain_key
+
+        bs = self.block_size
+        max_blocks = (seq.num_tokens - 1) // bs
+        parent_key = self.blocks[hit_ids[-1]].key if hit_ids else ROOT_KEY
+        parent_hash = chain_hash_of(self, hit_ids)
+        found: list[TierBlock] = []
+        hashes: list[int] = []
+        for i in range(len(hit_ids), max_blocks):
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            key = chain_key(parent_key, tokens)
+            block = tiers.lookup(key, parent_key, tokens)
+            if block is None:
+                break
+            parent_hash = chain_hash(parent_hash, tokens)
+            found.append(block)
+            hashes.append(parent_hash)
+            parent_key = key
+        keep = tiers.worth_restoring(found) if found else 0
+        return found[:keep], hashes[:keep]
+
+    def take_restored(self, seq: Sequence, found: list[TierBlock], hashes: list[int]) -> tuple[int, int]:
+        """Give seq fresh device blocks for `found` (from match_lower, after its device hits), entered in the prefix
+        cache at once (a request admitted after it shares them: restored once) and marked computed; the copies
+        are queued for the engine's next flush. Returns (blocks restored from host, from disk): a disk block that
+        fails its checks ends the restore there, and seq computes the rest."""
+        assert self.tiers is not None and len(seq.block_table) * self.block_size == seq.num_computed_tokens
+        taken = self.tiers.take(found)
+        for block_src, h in zip(taken, hashes):
+            block_id = self._take_block()
+            block = self.blocks[block_id]
+            prev = self.blocks[seq.block_table[-1]] if seq.block_table else None
+            block.hash, block.token_ids, block.key, block.parent_key = h, block_src.token_ids, block_src.key, block_src.parent_key
+            block.parent = (prev.block_id, prev.generation) if prev is not None else None
+            if h not in self._by_hash:
+                self._by_hash[h] = block_id
+            seq.block_table.append(block_id)
+            seq.block_hashes.append(h)
+            seq.block_keys.append(block_src.key)
+            self.tiers.queue_restore(block_id, block_src)
+        seq.num_computed_tokens = len(seq.block_table) * self.block_size
+        host = sum(1 for b in taken if b.tier == "host")
+        return host, len(taken) - host
+
     def register_computed_blocks(self, seq: Sequence) -> None:
         """Enter seq's newly full, computed blocks into the prefix cache."""
         if not self.enable_prefix_caching:
             return
+        from hosted.kv_tiers import ROOT_KEY, chain_key
+
         bs = self.block_size
         num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
         for i in range(len(seq.block_hashes), num_full):
@@ -101,14 +174,20 @@ class BlockManager:
             parent_hash = seq.block_hashes[i - 1] if i else _ROOT_HASH
             h = chain_hash(parent_hash, tokens)
             seq.block_hashes.append(h)
+            parent_key = seq.block_keys[i - 1] if i else ROOT_KEY
+            key = chain_key(parent_key, tokens)
+            seq.block_keys.append(key)
             block = self.blocks[seq.block_table[i]]
             if block.hash != -1 or h in self._by_hash:
                 continue  # already cached (a hit), or an identical block computed by another sequence
             prev = self.blocks[seq.block_table[i - 1]] if i else None
             block.hash = h
             block.token_ids = tokens
+            block.key, block.parent_key = key, parent_key
             block.parent = (prev.block_id, prev.generation) if prev is not None else None
             self._by_hash[h] = block.block_id
+            if self.tiers is not None:
+                self.tiers.discard(key)  # computed again: the device copy is the one kept
 
     # ---- allocation -------------------------------------------------------------------------------
     def can_allocate(self, seq: Sequence, num_tokens: int, hit_ids: list[int] | None = None) -> bool:
@@ -128,6 +207,7 @@ class BlockManager:
             block.ref_count += 1
             seq.block_table.append(block_id)
         seq.block_hashes = list(hit_hashes)
+        seq.block_keys = [self.blocks[b].key for b in hit_ids]
         seq.num_computed_tokens = len(hit_ids) * self.block_size
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
@@ -145,6 +225,7 @@ class BlockManager:
         while len(seq.block_table) > keep:
             self._release(seq.block_table.pop())
         del seq.block_hashes[keep:]
+        del seq.block_keys[keep:]
 
     def _release(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -162,6 +243,7 @@ class BlockManager:
             self._release(block_id)
         seq.block_table = []
         seq.block_hashes = []
+        seq.block_keys = []
         seq.num_computed_tokens = 0
 
     def _take_block(self) -> int:
@@ -169,7 +251,11 @@ class BlockManager:
             block_id = self._free.popleft()
         else:
             block_id, _ = self._evictable.popitem(last=False)  # least recently used cached block
-            self._uncache(self.blocks[block_id])
+            block = self.blocks[block_id]
+            if self.tiers is not None:
+                # Copied out at the engine's next flush, before anything writes this block again.
+                self.tiers.queue_demotion(block_id, block.key, block.parent_key, block.token_ids)
+            self._uncache(block)
         block = self.blocks[block_id]
         block.ref_count = 1
         block.generation += 1
@@ -181,6 +267,7 @@ class BlockManager:
         block.hash = -1
         block.token_ids = ()
         block.parent = None
+        block.key = block.parent_key = b""
 
     def reset_prefix_cache(self) -> None:
         """Forget every unreferenced cached block (their memory returns to the plain free list)."""
@@ -194,3 +281,16 @@ class BlockManager:
         held = [b.block_id for b in self.blocks if b.ref_count != 0]
         assert not held, f"blocks still referenced: {held[:20]}"
         assert self.num_free_blocks == self.num_blocks, (self.num_free_blocks, self.num_blocks)
+        self.check_accounting()
+
+    def check_accounting(self) -> None:
+        """Every device block free, cached-unreferenced or referenced, exactly once; with tiers, every cached
+        block's content in one place only (device, host memory or disk)."""
+        free, evictable = set(self._free), set(self._evictable)
+        assert len(free) == len(self._free) and not (free & evictable), "a block listed twice"
+        for b in self.blocks:
+            listed = (b.block_id in free) + (b.block_id in evictable) + (b.ref_count > 0)
+            assert listed == 1, f"block {b.block_id}: free/cached/referenced {listed} times"
+            assert b.block_id not in evictable or b.hash != -1, f"block {b.block_id}: evictable but not cached"
+        if self.tiers is not None:
+            self.tiers.check({b.key for b in self.blocks if b.hash != -1})

@@ -314,6 +314,15 @@ class EngineConfig:
     spec_adaptive: bool = True
     spec_ngram_min: int = 1
     spec_ngram_max: int = 3
+    # KV-cache tiers (hosted/kv_tiers.py): cached blocks the device pool evicts move to host memory (kv_host_gb)
+    # and beyond it to kv_disk_dir (kv_disk_gb), and come back on a prefix hit when restoring is cheaper than
+    # recomputing (kv_restore "auto"; "always" restores every hit: tests, benchmarks). kv_disk_persist keeps the
+    # directory's blocks across restarts; otherwise it is scratch, cleared at start. 0 / None: no such tier.
+    kv_host_gb: float = 0.0
+    kv_disk_dir: str | None = None
+    kv_disk_gb: float = 10.0
+    kv_disk_persist: bool = False
+    kv_restore: str = "auto"
 
     @property
     def spec_method(self) -> str | None:
@@ -344,6 +353,14 @@ class EngineConfig:
             raise ValueError(f"quantization_group_size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}, "
                              f"got {self.quantization_group_size!r}")
         self._validate_spec()
+        if self.kv_host_gb < 0 or self.kv_disk_gb < 0:
+            raise ValueError(f"kv_host_gb and kv_disk_gb must be >= 0, got {self.kv_host_gb}, {self.kv_disk_gb}")
+        if self.kv_restore not in ("auto", "always"):
+            raise ValueError(f"kv_restore must be 'auto' or 'always', got {self.kv_restore!r}")
+
+    @property
+    def kv_tiering(self) -> bool:
+        return self.enable_prefix_caching and (self.kv_host_gb > 0 or self.kv_disk_dir is not None)
 
     def _validate_spec(self) -> None:
         method = self.spec_method

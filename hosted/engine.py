@@ -13,6 +13,7 @@ import torch
 
 from hosted.block_manager import BlockManager
 from hosted.config import EngineConfig, ModelConfig
+from hosted.kv_tiers import build_kv_tiers
 from hosted.model_runner import ModelRunner
 from hosted.sampler import Sampler
 from hosted.sampling_params import SamplingParams
@@ -48,6 +49,9 @@ class StepOutput:
     device_seconds: float  # cumulative device time attributed to this request so far
     spec_proposed: int = 0  # draft tokens verified for this request so far (speculative decoding)
     spec_accepted: int = 0  # of them, kept as output
+    # Of num_cached_tokens, those restored from the host-memory / disk KV tiers (hosted/kv_tiers.py).
+    num_restored_host_tokens: int = 0
+    num_restored_disk_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -65,6 +69,7 @@ class EngineStats:
     num_computed_tokens: int = 0  # tokens fed through the model (prefill + decode + recompute)
     spec_proposed_tokens: int = 0  # draft tokens verified (speculative decoding)
     spec_accepted_tokens: int = 0  # of them, kept as output
+    kv_tiers: dict | None = None  # per tier (host, disk): blocks held, hits, bytes each way, restore seconds
 
 
 class BurstInterrupt:
@@ -95,6 +100,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.model_config, config, self.max_model_len)
         self.device = self.runner.device
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_tiers = build_kv_tiers(config, self.model_config, self.runner) if config.kv_tiering else None
+        if self.kv_tiers is not None:
+            self.block_manager.attach_tiers(self.kv_tiers)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(self.device)
         self.spec = (SpecDecoder(config, self.model_config, self.runner, self.max_model_len)
@@ -249,6 +257,8 @@ class LLMEngine:
             return None
         for seq in seqs:
             bm.allocate(seq, seq.num_computed_tokens + steps)
+        if self.kv_tiers is not None:
+            self.kv_tiers.flush()  # blocks evicted for these steps move down before they are written
         stop_ids = [list(s.params.stop_token_ids) + ([] if s.params.ignore_eos else self.eos_token_ids) for s in seqs]
         if before_forward is not None:
             before_forward()
@@ -286,6 +296,8 @@ class LLMEngine:
         if spec is not None:
             spec.propose(self.scheduler)  # draft tokens for running decodes, verified in this step's forward
         batch = self.scheduler.schedule()
+        if self.kv_tiers is not None:
+            self.kv_tiers.flush()  # demotions of evicted blocks, then restores, before the forward writes
         if spec is not None:
             for seq in batch.preempted:
                 spec.release(seq)
@@ -312,6 +324,8 @@ class LLMEngine:
         self._busy += elapsed
         self._steps += 1
         self._computed += batch.num_tokens
+        if self.kv_tiers is not None and batch.num_tokens > batch.num_decodes:
+            self.kv_tiers.observe_prefill(batch.num_tokens - batch.num_decodes, elapsed)  # the recompute cost
 
         for seq, n in batch.items:
             seq.device_seconds += elapsed * n / batch.num_tokens
@@ -396,7 +410,8 @@ class LLMEngine:
                           finished=seq.finish_reason is not None, finish_reason=seq.finish_reason,
                           num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
                           device_seconds=seq.device_seconds, spec_proposed=seq.spec_proposed,
-                          spec_accepted=seq.spec_accepted)
+                          spec_accepted=seq.spec_accepted, num_restored_host_tokens=seq.num_restored_host_tokens,
+                          num_restored_disk_tokens=seq.num_restored_disk_tokens)
 
     # ---- introspection ----------------------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -408,7 +423,8 @@ class LLMEngine:
             busy_seconds=self._busy, num_preemptions=self.scheduler.num_preemptions, num_steps=self._steps,
             num_generated_tokens=self._generated, num_computed_tokens=self._computed,
             spec_proposed_tokens=self.spec.num_proposed if self.spec is not None else 0,
-            spec_accepted_tokens=self.spec.num_accepted if self.spec is not None else 0)
+            spec_accepted_tokens=self.spec.num_accepted if self.spec is not None else 0,
+            kv_tiers=self.kv_tiers.snapshot() if self.kv_tiers is not None else None)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
         """Convenience for tests and scripts: run prompts to completion, return each one's output tokens."""

@@ -3,7 +3,10 @@
 Order of service within a step's token budget (max_num_batched_tokens):
 1. running sequences that are decoding (one token each), oldest first;
 2. running sequences still prefilling, as chunks of whatever budget remains, oldest first;
-3. waiting sequences (preempted ones first, then new arrivals), with prefix-cache hits, as chunks;
+3. waiting sequences (preempted ones first, then new arrivals), with prefix-cache hits, as chunks; a prefix
+   found in the host / disk KV tiers is restored instead of recomputed where that is cheaper, and restores
+   admitted in one step copy about one step's worth (the first one of a step whole), so a restore holds the
+   running decodes for about one step at most;
 4. draft tokens of decodes that speculate (hosted/spec/), with what budget and free blocks are left: such a
    decode then feeds 1 + k tokens, as a prefill chunk over its cached context.
 When the block pool runs dry for a running sequence, the newest running sequence is preempted: its
@@ -39,6 +42,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # kept in priority order (lowest arrival first)
         self.num_preemptions = 0
+        self._restored_this_step = 0
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -59,6 +63,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         scheduled: dict[int, int] = {}  # id(seq) -> tokens, for seqs picked this step
+        self._restored_this_step = 0
         budget = self._schedule_running(scheduled, batch)
         budget = self._admit_waiting(budget, scheduled)
         self._add_drafts(budget, scheduled)
@@ -90,18 +95,31 @@ class Scheduler:
             seq = self.waiting[0]
             hit_ids: list[int] = []
             hit_hashes: list[int] = []
+            lower: list = []
+            lower_hashes: list[int] = []
             if seq.num_computed_tokens == 0 and not seq.block_table:
                 hit_ids, hit_hashes = self.bm.match_prefix(seq)
-            start = len(hit_ids) * self.bm.block_size if hit_ids else seq.num_computed_tokens
+                lower, lower_hashes = self.bm.match_lower(seq, hit_ids)
+                if lower and not self._restore_fits(len(lower)):
+                    break  # next step: this step already restores what fits beside the running decodes
+            cached = len(hit_ids) + len(lower)
+            start = cached * self.bm.block_size if cached else seq.num_computed_tokens
             n = min(seq.num_tokens - start, budget)
             if not self.bm.can_allocate(seq, start + n, hit_ids):
                 break  # never preempt running work to admit new work
             self.waiting.popleft()
             if hit_ids:
                 self.bm.take_prefix(seq, hit_ids, hit_hashes)
+            restored = (0, 0)
+            if lower:
+                restored = self.bm.take_restored(seq, lower, lower_hashes)
+                self._restored_this_step += sum(restored)
+                n = min(seq.num_tokens - seq.num_computed_tokens, budget)  # a disk block may have failed its checks
             if not seq.admitted_once:
                 seq.admitted_once = True
-                seq.num_cached_tokens = len(hit_ids) * self.bm.block_size
+                seq.num_cached_tokens = seq.num_computed_tokens
+                bs = self.bm.block_size
+                seq.num_restored_host_tokens, seq.num_restored_disk_tokens = restored[0] * bs, restored[1] * bs
                 self.bm.prefix_queries_tokens += seq.num_prompt_tokens
                 self.bm.prefix_hit_tokens += seq.num_cached_tokens
             self.bm.allocate(seq, seq.num_computed_tokens + n)
@@ -110,6 +128,15 @@ class Scheduler:
             scheduled[id(seq)] = n
             budget -= n
         return budget
+
+    def _restore_fits(self, blocks: int) -> bool:
+        """Whether a restore of `blocks` joins this step: the first always, then while the step's restores copy
+        in about the time of one step."""
+        if self._restored_this_step == 0:
+            return True
+        tiers = self.bm.tiers
+        assert tiers is not None
+        return self._restored_this_step + blocks <= tiers.restore_blocks_per_step(self.max_num_batched_tokens)
 
     def _emit(self, scheduled: dict[int, int], batch: ScheduledBatch) -> None:
         """In the order the model runner wants: decodes first, then prefill chunks."""

@@ -36,7 +36,13 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     # Chained prefix-cache hash of each *full* block in block_table that has been hashed so far.
     block_hashes: list[int] = field(default_factory=list)
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    # Their 128-bit chain digests (hosted/kv_tiers.chain_key): a block's identity in the host and disk tiers.
+    block_keys: list[bytes] = field(default_factory=list)
+    # Prompt tokens served from the prefix cache at first admission, restored ones (from host memory, from
+    # disk: hosted/kv_tiers.py) included.
+    num_cached_tokens: int = 0
+    num_restored_host_tokens: int = 0
+    num_restored_disk_tokens: int = 0
     admitted_once: bool = False
     device_seconds: float = 0.0
     generator: torch.Generator | None = None

@@ -1,0 +1,250 @@
+"""KV-cache tiering (issue 34): cached blocks the device pool evicts move to host memory and disk and come back on
+a prefix hit. Greedy outputs must not change through demotion, restore and a restart; the accounting stays exact
+(checked after every test by conftest's pool check, which runs BlockManager.check_accounting); a bad disk file is
+never used; a failing disk turns the tier off without failing a request."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hosted.engine import SamplingParams
+from hosted.kv_tiers import SUFFIX, DiskTier, TierBlock, chain_key
+
+BS = 4
+PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+# Tiny llama: 2 layers x (K, V) x 4 tokens x 2 kv heads x 16 dims x fp32 bytes per block.
+BLOCK_BYTES = 2 * 2 * BS * 2 * 16 * 4
+
+
+def _gb(blocks: int) -> float:
+    return blocks * BLOCK_BYTES / (1 << 30)
+
+
+def _history(seed: int, n: int = 30) -> list[int]:
+    return [(seed * 37 + j * 11) % 280 + 15 for j in range(n)]
+
+
+def _fillers(k: int) -> list[list[int]]:
+    return [_history(100 + i, 26) for i in range(k)]
+
+
+def _engine(make_engine, model, **kw):
+    kw.setdefault("block_size", BS)
+    kw.setdefault("num_kv_blocks", 16)
+    kw.setdefault("max_num_seqs", 2)
+    kw.setdefault("kv_restore", "always")
+    return make_engine(model, **kw)
+
+
+def _final(engine, rid, prompt):
+    engine.add_request(rid, prompt, PARAMS)
+    tokens, last = [], None
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.request_id == rid:
+                tokens += o.new_token_ids
+                last = o
+    return tokens, last
+
+
+@pytest.fixture
+def reference(tiny_model_dirs, make_engine):
+    """Greedy outputs with no prefix caching at all."""
+    engine = make_engine(tiny_model_dirs["llama"], enable_prefix_caching=False, num_kv_blocks=64)
+    return lambda prompt: engine.generate([prompt], PARAMS)[0]
+
+
+def _conversation(engine, reference, history):
+    """Run `history`, push it out of the device pool with other requests, then return with a longer turn."""
+    first, _ = _final(engine, "turn1", history)
+    assert first == reference(history)
+    for i, p in enumerate(_fillers(4)):
+        _final(engine, f"fill{i}", p)
+    returning = history + first + [17, 18, 19]
+    got, out = _final(engine, "turn2", returning)
+    assert got == reference(returning)
+    return out
+
+
+def test_host_tier_restores_and_output_unchanged(tiny_model_dirs, make_engine, reference):
+    engine = _engine(make_engine, tiny_model_dirs["llama"], kv_host_gb=_gb(64))
+    out = _conversation(engine, reference, _history(1))
+    assert out.num_restored_host_tokens == 32  # 8 full blocks: the history and 5 computed output tokens
+    assert out.num_restored_disk_tokens == 0
+    assert out.num_cached_tokens >= out.num_restored_host_tokens
+    s = engine.stats().kv_tiers
+    assert s["host"]["hits"] == 8 and s["host"]["bytes_out"] == 8 * BLOCK_BYTES
+    assert s["host"]["bytes_in"] > 0 and s["host"]["blocks"] > 0
+
+
+def test_disk_tier_restores_when_host_is_full(tiny_model_dirs, make_engine, reference, tmp_path):
+    engine = _engine(make_engine, tiny_model_dirs["llama"], kv_host_gb=_gb(2), kv_disk_dir=str(tmp_path / "kv"))
+    out = _conversation(engine, reference, _history(2))
+    assert out.num_restored_disk_tokens > 0
+    assert out.num_restored_host_tokens + out.num_restored_disk_tokens == 32
+    s = engine.stats().kv_tiers
+    assert s["disk"]["hits"] * BS == out.num_restored_disk_tokens and s["disk"]["enabled"]
+    assert len(list((tmp_path / "kv").glob("*" + SUFFIX))) == s["disk"]["blocks"]
+
+
+def test_tiering_off_recomputes(tiny_model_dirs, make_engine, reference):
+    engine = _engine(make_engine, tiny_model_dirs["llama"])
+    out = _conversation(engine, reference, _history(3))
+    assert out.num_restored_host_tokens == out.num_restored_disk_tokens == 0
+    assert engine.stats().kv_tiers is None
+
+
+def _demote_to_disk(make_engine, model, directory, history):
+    """An engine with a persistent disk tier and no host memory, where `history`'s blocks end up on disk."""
+    engine = _engine(make_engine, model, kv_disk_dir=str(directory), kv_disk_persist=True)
+    first, _ = _final(engine, "turn1", history)
+    for i, p in enumerate(_fillers(4)):
+        _final(engine, f"fill{i}", p)
+    assert engine.stats().kv_tiers["disk"]["blocks"] >= 7
+    engine.kv_tiers.close()
+    return first
+
+
+def test_persistent_disk_tier_survives_restart(tiny_model_dirs, make_engine, reference, tmp_path):
+    model, history = tiny_model_dirs["llama"], _history(4)
+    first = _demote_to_disk(make_engine, model, tmp_path / "kv", history)
+    engine = _engine(make_engine, model, kv_disk_dir=str(tmp_path / "kv"), kv_disk_persist=True)
+    assert engine.stats().kv_tiers["disk"]["blocks"] >= 7  # rebuilt from the files
+    returning = history + first + [17, 18, 19]
+    got, out = _final(engine, "after-restart", returning)
+    assert got == reference(returning)
+    assert out.num_restored_disk_tokens == 32
+
+
+def test_scratch_disk_tier_is_cleared_at_start(tiny_model_dirs, make_engine, tmp_path):
+    model = tiny_model_dirs["llama"]
+    _demote_to_disk(make_engine, model, tmp_path / "kv", _history(5))
+    engine = _engine(make_engine, model, kv_disk_dir=str(tmp_path / "kv"))
+    assert engine.stats().kv_tiers["disk"]["blocks"] == 0
+    assert not list((tmp_path / "kv").glob("*" + SUFFIX))
+
+
+def test_corrupted_payload_is_rejected_and_recomputed(tiny_model_dirs, make_engine, reference, tmp_path):
+    model, history = tiny_model_dirs["llama"], _history(6)
+    first = _demote_to_disk(make_engine, model, tmp_path / "kv", history)
+    # Flip one byte in the payload of the history's first block: its header still checks out at start.
+    key = chain_key(bytes(16), history[:BS])
+    path = tmp_path / "kv" / (key.hex() + SUFFIX)
+    raw = bytearray(path.read_bytes())
+    raw[-100] ^= 0x40
+    path.write_bytes(bytes(raw))
+    engine = _engine(make_engine, model, kv_disk_dir=str(tmp_path / "kv"), kv_disk_persist=True)
+    returning = history + first + [17, 18, 19]
+    got, out = _final(engine, "after-corruption", returning)
+    assert got == reference(returning)
+    assert out.num_restored_disk_tokens == 0  # the chain breaks at its first block: all recomputed
+    assert engine.stats().kv_tiers["disk"]["rejected"] == 1
+    assert not path.exists()
+
+
+def _disk(directory, fp=b"F" * 16, persist=True):
+    return DiskTier(str(directory), 1 << 20, fp, (2, 2, BS, 2, 16), torch.float32, persist)
+
+
+def test_disk_files_truncated_or_foreign_are_removed(tmp_path):
+    disk = _disk(tmp_path)
+    blocks = []
+    parent = bytes(16)
+    for i in range(3):
+        tokens = tuple(range(i * BS, (i + 1) * BS))
+        key = chain_key(parent, tokens)
+        b = TierBlock(key, parent, tokens, "disk")
+        assert disk.write(b, torch.randn(2, 2, BS, 2, 16))
+        blocks.append(b)
+        parent = key
+    disk.close()
+    truncated = disk.path(blocks[1].key)
+    truncated.write_bytes(truncated.read_bytes()[:-1])
+    again = _disk(tmp_path)
+    assert set(again.index) == {blocks[0].key, blocks[2].key} and again.rejected == 1
+    assert not truncated.exists()
+    foreign = _disk(tmp_path, fp=b"G" * 16)  # another model, dtype, layout or engine version
+    assert not foreign.index and foreign.rejected == 2
+    assert not list(tmp_path.glob("*" + SUFFIX))
+
+
+def test_disk_block_round_trip_and_key_check(tmp_path):
+    disk = _disk(tmp_path, persist=False)
+    tokens = (5, 6, 7, 8)
+    b = TierBlock(chain_key(bytes(16), tokens), bytes(16), tokens, "disk")
+    data = torch.randn(2, 2, BS, 2, 16)
+    assert disk.write(b, data)
+    assert torch.equal(disk.read(disk.index[b.key]), data)
+    # A file renamed to another block's key fails the key check.
+    other = TierBlock(chain_key(bytes(16), (9, 9, 9, 9)), bytes(16), (9, 9, 9, 9), "disk")
+    disk.path(b.key).rename(disk.path(other.key))
+    disk.index[other.key] = other
+    assert disk.read(other) is None and disk.rejected == 1
+
+
+def test_concurrent_requests_restore_a_shared_prefix_once(tiny_model_dirs, make_engine, reference):
+    engine = _engine(make_engine, tiny_model_dirs["llama"], kv_host_gb=_gb(64), num_kv_blocks=24, max_num_seqs=3)
+    history = _history(7)
+    _final(engine, "turn1", history)
+    for i, p in enumerate(_fillers(6)):
+        _final(engine, f"fill{i}", p)
+    assert engine.stats().kv_tiers["host"]["blocks"] >= 7
+    a, b = history + [40, 41], history + [50, 51, 52]
+    engine.add_request("a", a, PARAMS)
+    engine.add_request("b", b, PARAMS)
+    got, outs = {"a": [], "b": []}, {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            got[o.request_id] += o.new_token_ids
+            outs[o.request_id] = o
+    assert got["a"] == reference(a) and got["b"] == reference(b)
+    assert engine.stats().kv_tiers["host"]["hits"] == 7  # once, not once per request
+    assert outs["a"].num_restored_host_tokens == 28 and outs["b"].num_restored_host_tokens == 0
+    assert outs["b"].num_cached_tokens == 28  # b shared a's restored blocks on the device
+
+
+def test_unwritable_disk_dir_turns_the_tier_off(tiny_model_dirs, make_engine, reference, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    engine = _engine(make_engine, tiny_model_dirs["llama"], kv_host_gb=_gb(2), kv_disk_dir=str(blocker / "kv"))
+    out = _conversation(engine, reference, _history(8))
+    s = engine.stats().kv_tiers
+    assert not s["disk"]["enabled"] and s["disk"]["errors"] == 1 and s["disk"]["blocks"] == 0
+    assert out.finish_reason == "length"
+
+
+_FULL_DISK_SCRIPT = r"""
+import json, logging, resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+logging.basicConfig(level=logging.WARNING)
+from hosted.engine import EngineConfig, LLMEngine, SamplingParams
+model, directory, history, fillers = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
+engine = LLMEngine(EngineConfig(model_dir=model, block_size=4, num_kv_blocks=16, max_num_seqs=2, kv_restore="always",
+                                kv_disk_dir=directory))
+# Every block file is larger than this: the first write to the disk tier fails as on a full disk (EFBIG).
+resource.setrlimit(resource.RLIMIT_FSIZE, (1500, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+outs = [engine.generate([p], params)[0] for p in [history] + fillers + [history]]
+print(json.dumps({"outs": outs, "tiers": engine.stats().kv_tiers}))
+"""
+
+
+def test_full_disk_turns_the_tier_off_without_failing_requests(tiny_model_dirs, reference, tmp_path):
+    model, history = tiny_model_dirs["llama"], _history(9)
+    fillers = _fillers(4)
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", _FULL_DISK_SCRIPT, model, str(tmp_path / "kv"), json.dumps(history),
+                           json.dumps(fillers)], check=False, capture_output=True, text=True, cwd=root, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["outs"] == [reference(p) for p in [history] + fillers + [history]]
+    disk = result["tiers"]["disk"]
+    assert not disk["enabled"] and disk["errors"] >= 1
+    assert "KV disk tier off" in proc.stderr and "File too large" in proc.stderr
