@@ -7,6 +7,11 @@ and the time-to-first-token percentiles of the requests that finished in the las
 the difference of two histogram snapshots, as Prometheus' histogram_quantile over a rate). An engine that
 does not answer, or whose last answer is older than `stale_after_s`, reads `UNKNOWN`: routing then
 ignores load and the fallback chain handles a dead engine.
+
+A foreign engine (`engine_type:` in the policy) has none of our metrics. llama.cpp's server: `/metrics`
+only with `--metrics` (`llamacpp:requests_processing` / `requests_deferred` as running / waiting), else
+`/health` for liveness alone; its busy time comes from the gateway's own count (gateway/backends/llamacpp.py,
+`busy_seconds`), not from the engine.
 """
 from __future__ import annotations
 
@@ -15,11 +20,15 @@ import logging
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
 from prometheus_client import Counter
 
+from gateway.backends.llamacpp import HEALTH_PATH, engine_root
+from gateway.backends.llamacpp import parse_metrics as parse_llamacpp_metrics
+from gateway.engine_scrape import ForeignEngines, Scrape
 from gateway.tasks import cancel_and_wait
 from gateway.uptime import DevicePrice, UptimeRecorder
 
@@ -106,10 +115,14 @@ def histogram_quantile(q: float, bounds: tuple[float, ...], counts: tuple[float,
 class _Engine:
     """Scrape state of one engine: its URL, the latest load, and recent TTFT histogram snapshots."""
 
-    __slots__ = ("device_kind", "history", "load", "url")
+    __slots__ = ("busy", "device_kind", "engine_type", "failed", "has_metrics", "history", "load", "url")
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, engine_type: str = "switchyard", busy: Callable[[], float] | None = None) -> None:
         self.url = url
+        self.engine_type = engine_type
+        self.busy = busy  # foreign engines: the gateway's own cumulative busy seconds for engine_uptime
+        self.has_metrics: bool | None = None  # llama.cpp: whether it serves /metrics (started with --metrics)
+        self.failed = False  # the last scrape failed (a foreign engine's next success counts as a new process)
         self.load = UNKNOWN
         self.device_kind: str | None = None  # what the engine says it runs on (cpu | gpu); kept when stale
         self.history: deque[tuple[float, tuple[float, ...]]] = deque()
@@ -160,6 +173,8 @@ class EngineLoadMonitor:
         self._engines: dict[str, _Engine] = {}
         self._client: httpx.AsyncClient | None = None
         self._task: asyncio.Task | None = None
+        # vLLM / SGLang backends: their own metric names, and device time split over our requests (engine_scrape)
+        self.foreign = ForeignEngines()
 
     def get(self, name: str) -> EngineLoad:
         """The engine's latest load, or UNKNOWN (never scraped, not answering, or stale). Request path: cheap."""
@@ -176,18 +191,26 @@ class EngineLoadMonitor:
         engine = self._engines.get(name)
         return engine.device_kind if engine is not None else None
 
-    def configure(self, targets: dict[str, str], prices: dict[str, DevicePrice] | None = None) -> None:
+    def configure(self, targets: dict[str, str], prices: dict[str, DevicePrice] | None = None,
+                  engine_types: dict[str, str] | None = None,
+                  busy: dict[str, Callable[[], float]] | None = None) -> None:
         """Scrape exactly these engines ({backend name: api_base}); starts the background task once.
 
         `prices`: what each engine costs, for the uptime recorder's rows (engines without one are not
-        recorded)."""
+        recorded). `engine_types`: each engine's policy `engine_type` (default switchyard). `busy`: for an
+        engine that does not count its own busy time, the gateway's count of it (cumulative seconds)."""
+        self.foreign.configure({n: t for n, t in (engine_types or {}).items() if n in targets})
         if self.uptime is not None:
             self.uptime.set_prices({n: p for n, p in (prices or {}).items() if n in targets})
         engines = {}
         for name, api_base in targets.items():
             url = metrics_url(api_base)
+            kind = (engine_types or {}).get(name, "switchyard")
+            counter = (busy or {}).get(name)
             current = self._engines.get(name)
-            engines[name] = current if current is not None and current.url == url else _Engine(url)
+            same = current is not None and current.url == url and current.engine_type == kind
+            engines[name] = current if same else _Engine(url, kind, counter)
+            engines[name].busy = counter
         self._engines = engines
         if engines and self._task is None:
             self._task = asyncio.create_task(self._run(), name="engine-load")
@@ -199,9 +222,16 @@ class EngineLoadMonitor:
 
     async def _scrape(self, name: str, engine: _Engine) -> None:
         assert self._client is not None
+        if engine.engine_type == "llamacpp":
+            await self._scrape_llamacpp(name, engine)
+            return
         try:
+            fetched_at = time.monotonic()
             response = await self._client.get(engine.url)
             response.raise_for_status()
+            if self.foreign.handles(name):
+                self._foreign_scraped(name, engine, response.text, fetched_at)
+                return
             values = engine.update(response.text, time.monotonic(), self.ttft_window_s)
             if self.uptime is not None:
                 if engine.device_kind is not None:
@@ -214,11 +244,56 @@ class EngineLoadMonitor:
             engine.load = UNKNOWN
             SCRAPE_FAILURES.labels(name).inc()
 
+    async def _scrape_llamacpp(self, name: str, engine: _Engine) -> None:
+        """llama-server: load from its `llamacpp:` metrics when it serves them, else liveness from /health."""
+        assert self._client is not None
+        values: dict[str, float] = {}
+        try:
+            if engine.has_metrics is not False:
+                response = await self._client.get(engine.url)
+                if response.status_code in (404, 501):  # 501: started without --metrics
+                    engine.has_metrics = False
+                else:
+                    response.raise_for_status()
+                    engine.has_metrics = True
+                    values = parse_llamacpp_metrics(response.text)
+            if engine.has_metrics is False:
+                (await self._client.get(engine_root(engine.url.removesuffix("/metrics")) + HEALTH_PATH)
+                 ).raise_for_status()
+        except httpx.HTTPError as exc:
+            if engine.load.known:
+                log.info("engine %s load unknown (%s: %s)", name, type(exc).__name__, exc)
+            engine.load, engine.failed = UNKNOWN, True
+            SCRAPE_FAILURES.labels(name).inc()
+            return
+        running, waiting = values.get("requests_processing"), values.get("requests_deferred")
+        engine.load = EngineLoad(known=True, running=None if running is None else int(running),
+                                 waiting=None if waiting is None else int(waiting), observed_at=time.monotonic())
+        if self.uptime is not None and engine.busy is not None:
+            # A failed check in between: the server may have restarted (our counter would not show it).
+            self.uptime.observe(name, engine.busy(), new_process=engine.failed)
+        engine.failed = False
+
+    def _foreign_scraped(self, name: str, engine: _Engine, text: str, fetched_at: float) -> None:
+        """A vLLM / SGLang engine's metrics: its load from its own gauges; its busy time, from engine_scrape's
+        attribution (which settles the ledger rows waiting for it), into the uptime rows."""
+        now = time.monotonic()
+        scrape: Scrape = self.foreign.observe(name, text, fetched_at, now)
+        attribution = self.foreign.get(name)
+        engine.load = EngineLoad(
+            known=True,
+            waiting=None if scrape.waiting is None else int(scrape.waiting),
+            running=None if scrape.running is None else int(scrape.running),
+            kv_usage=scrape.kv_usage, busy=attribution.utilisation if attribution else None, observed_at=now)
+        if self.uptime is not None and attribution is not None:
+            self.uptime.observe(name, attribution.busy_total_s, started_at=scrape.created)
+
     async def _run(self) -> None:
         while True:
             started = time.monotonic()
             try:
                 await self.scrape_once()
+                self.foreign.expire(time.monotonic())
             except Exception:  # keep scraping whatever happens; routing just sees UNKNOWN
                 log.exception("engine load scrape failed")
             await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
@@ -226,6 +301,7 @@ class EngineLoadMonitor:
     async def aclose(self) -> None:
         task, self._task = self._task, None
         await cancel_and_wait(task)
+        self.foreign.flush()  # rows still waiting for a scrape keep their estimates
         if self.uptime is not None:
             self.uptime.flush()
         if self._client is not None:

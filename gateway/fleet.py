@@ -42,7 +42,8 @@ import orjson
 
 from gateway.backends.base import Backend, Completion, Endpoint, UpstreamError
 from gateway.backends.engine_backend import EngineBackend
-from gateway.engine_load import metrics_url, parse_samples
+from gateway.backends.engines import engine_backend, probe_url
+from gateway.engine_load import parse_samples
 from gateway.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
@@ -154,7 +155,7 @@ class FleetBackend(Backend):
         assert spec.api_bases, "a fleet needs api_bases"
         self.balance = spec.balance or BalanceSpec()
         b = self.balance
-        self.replicas = [_Replica(str(i), EngineBackend(spec, base), PrefixIndex(b.blocks_per_replica, b.block_ttl_s))
+        self.replicas = [_Replica(str(i), engine_backend(spec, base), PrefixIndex(b.blocks_per_replica, b.block_ttl_s))
                          for i, base in enumerate(spec.api_bases)]
         self._turn = itertools.count()
         self._probe_task: asyncio.Task | None = None
@@ -261,7 +262,7 @@ class FleetBackend(Backend):
 
     async def _probe(self, r: _Replica) -> None:
         try:
-            async with r.backend._client().get(metrics_url(r.backend.api_base),
+            async with r.backend._client().get(probe_url(r.backend),
                                                timeout=aiohttp.ClientTimeout(total=_PROBE_TIMEOUT_S)) as resp:
                 text = await resp.text() if resp.status == 200 else ""
                 alive = resp.status < 500

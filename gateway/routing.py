@@ -18,13 +18,14 @@ Reasons written to the ledger's `route_reason` (see docs/router.md, "Routing in 
                    → the first backend of the chain that can, on fixed routes (their fallbacks) and difficulty
                    routes alike (gateway/capabilities.py); and every embeddings request on a difficulty
                    route (never scored: the route's backends that serve embeddings, its `backend` first)
-  budget           (set in proxy.py) the key cannot afford hard → easy
-  fallback         (set in proxy.py) served by a backend other than the chain's first
+  budget           the key cannot afford hard → easy (`budget_downgrade`, when the proxy's reservation is refused)
+  fallback         served by a backend other than the chain's first (`Decision.reason_served_by`)
   shadow, shadow_judge  (gateway/shadow/runner.py) mirrored and judge calls of shadow evaluation
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -54,6 +55,10 @@ class Decision:
     difficulty: float | None = None
     threshold: float | None = None  # the threshold actually applied (after idle relaxation)
     model_version: str | None = None
+
+    def reason_served_by(self, backend: str) -> str:
+        """The reason a row served by `backend` records: `fallback` when it is not the chain's first choice."""
+        return "fallback" if self.chain and backend != self.chain[0] else self.reason
 
 
 # ---------------------------------------------------------------- the decision, as pure functions
@@ -112,6 +117,14 @@ def scoring_input(body: dict) -> list | str | None:
     if messages is not None:
         return messages
     return admission.completions_prompt_text(body.get("prompt"))
+
+
+def budget_downgrade(route: RouteSpec, decision: Decision) -> Decision | None:
+    """For a key that cannot afford `decision`'s chain: `easy` alone (reason `budget`) where the route allows
+    it (`budget_downgrade`) and the chain is more than that; else None (the refusal stands)."""
+    if not (route.budget_downgrade and route.easy and decision.chain != [route.easy]):
+        return None
+    return dataclasses.replace(decision, chain=[route.easy], reason="budget")
 
 
 def decide(route: RouteSpec, body: dict, models: DifficultyModels, load: EngineLoadMonitor,
@@ -312,7 +325,7 @@ class RoutingRuntime:
 
     async def apply(self, policy: Policy, pool: BackendPool) -> None:
         """Called when a policy goes live (after the pool synced, so embedded engines have their URLs)."""
-        targets, prices = {}, {}
+        targets, prices, types, busy = {}, {}, {}, {}
         for name, spec in policy.backends.items():
             backend = pool.get(name)
             api_base = getattr(backend, "api_base", None) or spec.api_base
@@ -320,7 +333,10 @@ class RoutingRuntime:
                 targets[name] = api_base
                 prices[name] = DevicePrice(pricing.device_hour_usd(spec), pricing.device_count(spec),
                                            pricing.device_kind(spec) or "gpu")
-        self.load.configure(targets, prices)
+                types[name] = spec.engine_type
+                if callable(getattr(backend, "busy_seconds", None)):  # a foreign engine's busy time, counted here
+                    busy[name] = backend.busy_seconds
+        self.load.configure(targets, prices, types, busy)
         await self.models.sync(policy)
 
     async def aclose(self) -> None:

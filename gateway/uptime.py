@@ -70,24 +70,29 @@ class UptimeRecorder:
             self._prices[backend] = DevicePrice(price.hour_usd, price.devices, kind)
 
     def observe(self, backend: str, busy_total: float | None, *, started_at: float | None = None,
-                mono: float | None = None, wall: float | None = None) -> None:
+                mono: float | None = None, wall: float | None = None, new_process: bool = False) -> None:
         """A successful scrape of `backend` whose busy counter reads `busy_total` (None: engine too old).
 
         `started_at`: the counter's creation time (unix seconds, Prometheus' `_created` sample), i.e. when
-        the engine process started; it lets the first scrape of a process count the time before it."""
+        the engine process started; it lets the first scrape of a process count the time before it.
+        `new_process`: the engine may have restarted although the counter did not go back (a foreign engine,
+        whose busy time the gateway counts itself): the gap since the last scrape counts as up for at most
+        max_gap_s, as across a restart."""
         if backend not in self._prices or busy_total is None or not math.isfinite(busy_total):
             return
         mono = time.monotonic() if mono is None else mono
         wall = time.time() if wall is None else wall
         state = self._states.setdefault(backend, _State())
-        restarted = state.last_mono is not None and busy_total < state.last_busy
+        went_back = state.last_mono is not None and busy_total < state.last_busy
+        restarted = went_back or (state.last_mono is not None and new_process)
         if state.last_mono is None or restarted:
             # A process seen for the first time: up since it started (bounded, so an engine that ran
             # long before this gateway does not land in one interval), busy for all its counter says.
             since = wall - started_at if started_at is not None and math.isfinite(started_at) else 0.0
             if restarted:
                 since = min(since, mono - state.last_mono) if started_at is not None else self.max_gap_s
-            up, busy = min(max(since, 0.0), self.max_backfill_s), busy_total
+            up = min(max(since, 0.0), self.max_backfill_s)
+            busy = busy_total - state.last_busy if restarted and not went_back else busy_total
         else:
             # The counter carried on: the same process ran through the gap, even if some scrapes timed
             # out (a busy engine answers slowly), and a running engine is paid for.

@@ -28,11 +28,11 @@ def build_backend(spec: BackendSpec, api_base: str | None = None) -> Backend:
 
         return FleetBackend(spec)
     if spec.kind == "engine":
-        from gateway.backends.engine_backend import EngineBackend
+        from gateway.backends.engines import engine_backend  # by engine_type (ours, llama.cpp's, ...)
 
         if api_base is None and spec.api_base is None and spec.engine_port is not None:
             api_base = f"http://127.0.0.1:{spec.engine_port}/v1"
-        return EngineBackend(spec, api_base)
+        return engine_backend(spec, api_base)
     from gateway.backends.litellm_backend import LiteLLMBackend
 
     return LiteLLMBackend(spec)
