@@ -182,7 +182,11 @@ def load_model(args: argparse.Namespace, state: ServerState | None = None) -> tu
                           kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
                           decode_burst_ms=getattr(args, "decode_burst_ms", DEFAULT_DECODE_BURST_MS),
                           speculative=getattr(args, "speculative", None), draft_model_dir=getattr(args, "draft", None),
-                          num_speculative_tokens=getattr(args, "num_speculative_tokens", 4))
+                          num_speculative_tokens=getattr(args, "num_speculative_tokens", 4),
+                          kv_host_gb=getattr(args, "kv_host_gb", 0.0), kv_disk_dir=getattr(args, "kv_disk_dir", None),
+                          kv_disk_gb=getattr(args, "kv_disk_gb", 10.0),
+                          kv_disk_persist=getattr(args, "kv_disk_persist", False),
+                          kv_restore=getattr(args, "kv_restore", "auto"))
     engine = AsyncLLMEngine(LLMEngine(config), max_waiting=args.max_waiting)
     return engine, tokenizer
 

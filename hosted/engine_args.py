@@ -68,6 +68,19 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="draft model for speculative decoding (same tokenizer as --model); implies --speculative draft")
     p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
                    help="most draft tokens verified per sequence per step; each step picks 0..K from measured goodput")
+    p.add_argument("--kv-host-gb", type=float, default=0.0, metavar="G",
+                   help="host memory (GiB; pinned on CUDA) for prefix-cache KV blocks the device pool evicts: a "
+                        "returning prompt restores them instead of recomputing, when that is cheaper (vLLM's CPU "
+                        "offloading, SGLang's HiCache); 0: none")
+    p.add_argument("--kv-disk-dir", default=None, metavar="DIR",
+                   help="directory for KV blocks beyond --kv-host-gb (one file per block, checked against the model "
+                        "and a checksum before use); scratch, cleared at start, unless --kv-disk-persist")
+    p.add_argument("--kv-disk-gb", type=float, default=10.0, metavar="G", help="most GiB --kv-disk-dir holds (LRU)")
+    p.add_argument("--kv-disk-persist", action="store_true",
+                   help="keep --kv-disk-dir's blocks across restarts (LMCache's local disk backend)")
+    p.add_argument("--kv-restore", default="auto", choices=["auto", "always"],
+                   help="auto: restore a lower-tier prefix only where the measured copy is faster than recomputing "
+                        "it; always: restore every hit (benchmarks)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--log-level", default="info")
 

@@ -34,6 +34,8 @@ class Choice:
     num_tokens: int = 0
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    num_restored_host_tokens: int = 0  # of num_cached_tokens, restored from the KV tiers (hosted/kv_tiers.py)
+    num_restored_disk_tokens: int = 0
     device_seconds: float = 0.0
     spec_proposed: int = 0  # speculative decoding: draft tokens verified for this choice
     spec_accepted: int = 0
@@ -121,6 +123,8 @@ class Generation:
         tokens = out.new_token_ids
         choice.num_prompt_tokens = out.num_prompt_tokens
         choice.num_cached_tokens = out.num_cached_tokens
+        choice.num_restored_host_tokens = out.num_restored_host_tokens
+        choice.num_restored_disk_tokens = out.num_restored_disk_tokens
         choice.device_seconds = out.device_seconds
         choice.spec_proposed = out.spec_proposed
         choice.spec_accepted = out.spec_accepted
@@ -188,10 +192,17 @@ class Generation:
     # ---------------------------------------------------------------- summaries
     def usage(self) -> dict[str, Any]:
         prompt = sum(len(job.ids) for job in self.plan.jobs)
-        cached = sum(self.choices[p * self.plan.n].num_cached_tokens for p in range(len(self.plan.jobs)))
+        firsts = [self.choices[p * self.plan.n] for p in range(len(self.plan.jobs))]
+        cached = sum(c.num_cached_tokens for c in firsts)  # restored tokens included: priced as cached
+        host = sum(c.num_restored_host_tokens for c in firsts)
+        disk = sum(c.num_restored_disk_tokens for c in firsts)
         completion = sum(c.num_tokens for c in self.choices)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+                "prompt_tokens_details": {"cached_tokens": cached},
+                # Where the prompt's KV came from: computed now, the device's prefix cache, or restored from the
+                # host-memory / disk KV tiers (switchyard's own field; cached_tokens = the last three).
+                "switchyard_prompt_tokens": {"computed": prompt - cached, "device_cache": cached - host - disk,
+                                             "restored_host": host, "restored_disk": disk}}
 
     def extension(self) -> dict[str, Any]:
         ext: dict[str, Any] = {"device_seconds": round(sum(c.device_seconds for c in self.choices), 6),

@@ -81,6 +81,21 @@ class EngineMetrics:
         self.spec_acceptance = Gauge(p + "spec_acceptance_rate", "Draft tokens accepted / verified, since start",
                                      registry=r)
         self._spec_seen = (0, 0)
+        # KV tiers (hosted/kv_tiers.py), per tier: host | disk.
+        self.kv_tier_blocks = Gauge(p + "kv_tier_blocks", "KV blocks held in a lower tier", ["tier"], registry=r)
+        self.kv_tier_hits = Counter(p + "kv_tier_restored_blocks", "KV blocks restored from a lower tier",
+                                    ["tier"], registry=r)
+        self.kv_tier_bytes = Counter(p + "kv_tier_bytes", "Bytes moved into (demoted) and out of (restored) a "
+                                     "lower tier", ["tier", "direction"], registry=r)
+        self.kv_tier_restore_seconds = Counter(p + "kv_tier_restore_seconds", "Seconds spent restoring KV blocks",
+                                               ["tier"], registry=r)
+        self.kv_disk_enabled = Gauge(p + "kv_disk_tier_enabled", "1 while the KV disk tier is on (0: off after an "
+                                     "error, or none configured)", registry=r)
+        self.kv_disk_errors = Gauge(p + "kv_disk_tier_errors", "Disk errors that turned the KV disk tier off",
+                                    registry=r)
+        self.kv_disk_rejected = Gauge(p + "kv_disk_tier_rejected_files", "KV block files removed as foreign, "
+                                      "truncated or corrupted", registry=r)
+        self._tiers_seen: dict[tuple[str, str], float] = {}
 
     def observe_request(self, status: str) -> None:
         self.requests.labels(status=status).inc()
@@ -119,7 +134,27 @@ class EngineMetrics:
             self.spec_accepted.inc(max(0, s.spec_accepted_tokens - seen_accepted))
             self._spec_seen = (max(seen_proposed, s.spec_proposed_tokens), max(seen_accepted, s.spec_accepted_tokens))
             self.spec_acceptance.set(s.spec_accepted_tokens / s.spec_proposed_tokens if s.spec_proposed_tokens else 0.0)
+            if s.kv_tiers is not None:
+                self._observe_tiers(s.kv_tiers)
         return generate_latest(self.registry)
+
+
+    def _observe_tiers(self, tiers: dict) -> None:
+        """Advance the tier counters by what the engine's totals grew since the last scrape."""
+        def advance(counter, key: tuple[str, str], total: float) -> None:
+            counter.inc(max(0.0, total - self._tiers_seen.get(key, 0.0)))
+            self._tiers_seen[key] = max(self._tiers_seen.get(key, 0.0), total)
+
+        for tier in ("host", "disk"):
+            t = tiers[tier]
+            self.kv_tier_blocks.labels(tier=tier).set(t["blocks"])
+            advance(self.kv_tier_hits.labels(tier=tier), (tier, "hits"), t["hits"])
+            advance(self.kv_tier_bytes.labels(tier=tier, direction="in"), (tier, "in"), t["bytes_in"])
+            advance(self.kv_tier_bytes.labels(tier=tier, direction="out"), (tier, "out"), t["bytes_out"])
+            advance(self.kv_tier_restore_seconds.labels(tier=tier), (tier, "s"), t["restore_seconds"])
+        self.kv_disk_enabled.set(1 if tiers["disk"]["enabled"] else 0)
+        self.kv_disk_errors.set(tiers["disk"]["errors"])
+        self.kv_disk_rejected.set(tiers["disk"]["rejected"])
 
 
 def device_kind(device_type: str) -> str:
