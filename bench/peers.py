@@ -201,22 +201,24 @@ def llamacpp_version() -> str:
     return " ".join((out.stdout + out.stderr).split())
 
 
-_HELP_CACHE: dict[str, str] = {}
+_HELP_CACHE: dict[tuple[str, str], str] = {}
 
 
-def _help_text(binary: str) -> str:
+def _help_text(binary: str, directory: str | Path | None = None) -> str:
     """The --help text of a llama.cpp binary (cached): used to pass only the flags this build knows."""
-    if binary not in _HELP_CACHE:
-        out = subprocess.run([str(ensure_llamacpp() / binary), "--help"], capture_output=True, text=True,
+    key = (binary, str(directory))
+    if key not in _HELP_CACHE:
+        out = subprocess.run([str(ensure_llamacpp(directory) / binary), "--help"], capture_output=True, text=True,
                              check=False)
-        _HELP_CACHE[binary] = out.stdout + out.stderr
-    return _HELP_CACHE[binary]
+        _HELP_CACHE[key] = out.stdout + out.stderr
+    return _HELP_CACHE[key]
 
 
-def llama_server_has_flag(flag: str) -> bool:
-    """Whether this llama-server's --help lists flag (note: it also lists removed flags, as removed)."""
+def llama_server_has_flag(flag: str, directory: str | Path | None = None) -> bool:
+    """Whether this llama-server's --help lists flag (note: it also lists removed flags, as removed).
+    directory: the build's (ensure_llamacpp's argument)."""
     pattern = rf"(^|[\s,]){re.escape(flag)}([\s,=]|$)"
-    return re.search(pattern, _help_text("llama-server"), re.MULTILINE) is not None
+    return re.search(pattern, _help_text("llama-server", directory), re.MULTILINE) is not None
 
 
 def llama_quantize_types() -> set[str]:
@@ -382,12 +384,13 @@ class _Server(contextlib.AbstractContextManager):
         self.cmd: list[str] = []
         self.env: dict | None = None
         self.model = ""
+        self.log_dir = LOGS_DIR  # each server's stdout+stderr goes to a file here
         self.logfile = LOGS_DIR / "server.log"
         self.startup_s: float | None = None
 
     def start(self) -> Self:
-        LOGS_DIR.mkdir(parents=True, exist_ok=True)
-        self.logfile = LOGS_DIR / f"{self.name}-{time.strftime('%Y%m%d-%H%M%S')}-{self.port}.log"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.logfile = self.log_dir / f"{self.name}-{time.strftime('%Y%m%d-%H%M%S')}-{self.port}.log"
         t0 = time.time()
         with open(self.logfile, "w") as f:
             f.write(f"$ {' '.join(self.cmd)}\n")
@@ -456,7 +459,8 @@ class LlamaServer(_Server):
     --cache-ram 0), so a repeated prompt is prefilled again and TTFT is a real prefill. repack: False adds
     --no-repack (weights stay as mapped from the file, no AMX / CPU_REPACK copies): on the AMX Xeon here this
     build crashes at startup in its AMX repack path for Q8_0/Q4_0 files. extra_args: passed through verbatim,
-    last.
+    last. llamacpp_dir: the build to run (ensure_llamacpp's directory; the tests' LLAMACPP_TEST_DIR), whose
+    logs/ then holds the server's log. metrics: --metrics (llama-server's /metrics, `llamacpp:` names).
 
     Speculative decoding (this build: llama.cpp 0.5.0-dev, commit 0c1e570, vendored by llama-cpp-python
     0.3.36):
@@ -479,12 +483,18 @@ class LlamaServer(_Server):
                  draft_gguf: str | Path | None = None, extra_args: tuple[str, ...] | list[str] = (),
                  draft_max: int = 8, draft_min: int = 0, spec_type: str | None = None,
                  prompt_cache: bool = False, alias: str | None = None, repack: bool = True,
-                 startup_timeout_s: float = 120.0) -> None:
+                 startup_timeout_s: float = 120.0, llamacpp_dir: str | Path | None = None,
+                 metrics: bool = False) -> None:
         super().__init__()
-        binary = ensure_llamacpp() / "llama-server"
+        binary = ensure_llamacpp(llamacpp_dir) / "llama-server"
+        if llamacpp_dir is not None:  # a build elsewhere (the tests'): its servers log next to it
+            self.log_dir = Path(llamacpp_dir) / "logs"
         model_gguf = Path(model_gguf)
         ctx = ctx or 512 * parallel
-        has = llama_server_has_flag
+
+        def has(flag: str) -> bool:
+            return llama_server_has_flag(flag, llamacpp_dir)
+
         self.model = alias or model_gguf.stem
         self.startup_timeout_s = startup_timeout_s
         self.cmd = [str(binary), "-m", str(model_gguf), "--host", "127.0.0.1", "--port", str(self.port),
@@ -500,6 +510,8 @@ class LlamaServer(_Server):
                 self.cmd += ["--cache-ram", "0"]
         if not repack and has("--no-repack"):
             self.cmd.append("--no-repack")
+        if metrics:  # /metrics (llamacpp:* counters and gauges); without it llama-server answers 501 there
+            self.cmd.append("--metrics")
         if draft_gguf is not None:
             self.cmd += ["-md", str(draft_gguf)]
             if has("--spec-draft-n-max"):  # this build; --draft-max is listed only as removed
