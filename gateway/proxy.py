@@ -7,7 +7,7 @@ import logging
 import struct
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +41,7 @@ from gateway.backends.base import (
 )
 from gateway.backends.resilience import BreakerRegistry, complete_with_fallbacks, open_stream_with_fallbacks
 from gateway.backends.translate import ledger_endpoint
+from gateway.engine_scrape import Pending
 from gateway.ledger.record import ENDPOINT_NAMES, LedgerRecord
 from gateway.ledger.writer import LedgerWriter
 from gateway.redact import configured_secrets, redact
@@ -556,16 +557,65 @@ def _finish(services: Services, call: Call, spec: BackendSpec | None, completion
     row), and a later call for the same request does nothing."""
     if call.finished:
         return
+    # A vLLM / SGLang backend: its device time is known after its next scrape (gateway/engine_scrape.py). The
+    # answer gets the learned rate's estimate now; the row and the budget settle then (_settle_later).
+    later = spec is not None and completion is not None and services.load.foreign.handles(spec.name)
     try:
+        if later:
+            completion, device_seconds_estimated = _estimated(services, spec, completion, device_seconds_estimated)
         _outcome(services, call, spec, completion, status, error_type, http_status, answer, device_seconds_estimated)
+    except BaseException:
+        later = False
+        raise
     finally:
-        services.budgets.settle(call.reservation, call.record.cost_usd)
+        if not later:
+            services.budgets.settle(call.reservation, call.record.cost_usd)
     record = call.record
     _observe(record, call.route.name, status)
-    services.ledger.submit(record)
+    if later:
+        _settle_later(services, call, spec, completion)
+    else:
+        services.ledger.submit(record)
     call.finished = True
     if call.shadow is not None and services.shadow is not None and spec is not None and status == "ok":
         services.shadow.submit(call.shadow, spec.name, answer or "")
+
+
+def _estimated(services: Services, spec: BackendSpec, completion: Completion,
+               estimated: bool) -> tuple[Completion, bool]:
+    """A foreign engine's answer carries no device time: the learned per-token rate's estimate, at the engine's
+    measured utilisation, prices the answer until its row settles."""
+    if completion.device_seconds is not None:
+        return completion, estimated
+    seconds = services.pool.estimate_device_seconds(spec.name, completion.usage)
+    engine = services.load.foreign.get(spec.name)
+    utilisation = completion.utilisation if completion.utilisation is not None else \
+        (engine.utilisation if engine is not None else None)
+    return replace(completion, device_seconds=seconds, utilisation=utilisation), seconds is not None
+
+
+def _settle_later(services: Services, call: Call, spec: BackendSpec, completion: Completion) -> None:
+    """Hand the row to the foreign engine's attribution: it is re-priced with its share of the engine's busy time
+    after the next scrape (or keeps its estimate when none comes), then its budget settles and it is queued."""
+    record, usage, reservation = call.record, completion.usage, call.reservation
+    call.reservation = None  # settled below, once: the relay's own guard now does nothing
+    kind = _reported_kind(services, spec, completion)
+
+    def settle(device_seconds: float | None, utilisation: float | None, estimated: bool) -> None:
+        try:
+            if device_seconds is not None and not estimated:
+                pricing.charge(record, spec, usage, device_seconds, utilisation, call.policy, call.route,
+                               reported_kind=kind)
+                if record.status == "ok":
+                    services.pool.observe_device_seconds(spec.name, usage, device_seconds)
+        finally:
+            services.budgets.settle(reservation, record.cost_usd)
+            services.ledger.submit(record)
+
+    now = time.monotonic()
+    started = now - (time.perf_counter() - call.started)  # the request's start on the monotonic clock
+    services.load.foreign.defer(spec.name, Pending(
+        usage.prompt_tokens, usage.completion_tokens, usage.cached_prompt_tokens or None, started, now, settle))
 
 
 def _outcome(services: Services, call: Call, spec: BackendSpec | None, completion: Completion | None,
@@ -597,7 +647,8 @@ def _charge(services: Services, call: Call, spec: BackendSpec, completion: Compl
     pricing.charge(record, spec, usage, completion.device_seconds, completion.utilisation, call.policy, call.route,
                    estimated=device_seconds_estimated,
                    reported_kind=_reported_kind(services, spec, completion))
-    if spec.kind == "engine" and completion.device_seconds is not None and status == "ok":
+    if spec.kind == "engine" and completion.device_seconds is not None and status == "ok" \
+            and not device_seconds_estimated:  # never learn the rate from its own estimate
         services.pool.observe_device_seconds(spec.name, usage, completion.device_seconds)
     services.limiter.record_tokens(call.key, usage.prompt_tokens + usage.completion_tokens)
     demand.observe(spec, usage.prompt_tokens, usage.completion_tokens, record.latency_ms)  # autoscaling's feed

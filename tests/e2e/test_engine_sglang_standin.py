@@ -1,0 +1,93 @@
+"""`engine_type: sglang` behind the real gateway, priced from the engine's Prometheus busy counter.
+
+SGLang cannot be installed and served on these CPU-only machines (its wheels need CUDA), so the engine is a
+stand-in speaking SGLang's wire format and metrics (tests/e2e/sglang_standin.py); its busy counter is the truth
+the ledger's device-seconds must add up to. The real-engine check of the same path is test_engine_vllm.py."""
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from tests.e2e.conftest import MASTER_KEY, free_port, ledger_rows, run_gateway
+from tests.e2e.sglang_standin import run_sglang_standin
+
+HOUR_USD = 3.6
+POLICY = """
+backends:
+  sgl:
+    kind: engine
+    engine_type: sglang
+    model: stand-in
+    api_base: {base}
+    cpu_hour_usd: {hour}
+routes:
+  local: {{backend: sgl}}
+"""
+LENGTHS = (40, 10, 25, 5, 30, 15)  # output tokens of the concurrent requests
+
+
+def settled_rows(url: str, expected: int, timeout: float = 30) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = ledger_rows(url)
+        if len(rows) >= expected or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.2)
+
+
+def test_sglang_rows_are_priced_from_its_busy_counter_and_add_up_to_it(tmp_path):
+    port = free_port()
+    with run_sglang_standin(port) as engine, \
+            run_gateway(POLICY.format(base=f"http://127.0.0.1:{port}/v1", hour=HOUR_USD), tmp_path) as gw:
+        client = openai.OpenAI(base_url=gw.base_url, api_key=MASTER_KEY, max_retries=0)
+
+        def ask(n: int, stream: bool = False) -> str | None:
+            messages = [{"role": "user", "content": f"count to {n} please"}]
+            if stream:
+                chunks = client.chat.completions.create(model="local", messages=messages, max_tokens=n, stream=True,
+                                                        stream_options={"include_usage": True})
+                return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            raw = client.chat.completions.with_raw_response.create(model="local", messages=messages, max_tokens=n)
+            return raw.headers["x-switchyard-cost-usd"]
+
+        time.sleep(1.0)  # a first scrape: the engine's counters before our requests
+        first_cost = ask(20)
+        ask(20, stream=True)
+        with ThreadPoolExecutor(len(LENGTHS)) as pool:
+            list(pool.map(lambda n: ask(n, stream=n % 2 == 0), LENGTHS))
+        later_cost = ask(20)
+        expected = 3 + len(LENGTHS)
+        rows = settled_rows(gw.config.database_url, expected)
+        busy = engine.busy_s
+    assert len(rows) == expected
+    # the first answer could not be priced yet (no rate learned); later answers carry the learned estimate
+    assert float(first_cost) == 0 and float(later_cost) > 0
+    for row in rows:
+        assert row["backend"] == "sgl" and row["status"] == "ok"
+        assert row["cost_note"] is None, row  # settled with its attributed device time, not an estimate
+        assert row["gpu_seconds"] > 0
+        util = max(row["utilisation"], 0.05)
+        assert row["busy_cost_usd"] == pytest.approx(row["gpu_seconds"] * HOUR_USD / 3600)
+        assert row["cost_usd"] == pytest.approx(row["gpu_seconds"] * HOUR_USD / 3600 / util)
+        assert row["device_kind"] == "cpu" and row["device_hour_usd"] == HOUR_USD
+    attributed = sum(row["gpu_seconds"] for row in rows)
+    assert attributed == pytest.approx(busy, rel=0.10), (attributed, busy)
+    uptime = ledger_rows_uptime(gw.config.database_url)
+    assert sum(r["busy_seconds"] for r in uptime) == pytest.approx(busy, rel=0.10)
+    assert sum(r["seconds"] for r in uptime) >= sum(r["busy_seconds"] for r in uptime)
+
+
+def ledger_rows_uptime(url: str) -> list[dict]:
+    import sqlalchemy as sa
+
+    from gateway import db
+
+    engine = sa.create_engine(db.sync_url(url))
+    try:
+        with engine.connect() as conn:
+            return [dict(r._mapping) for r in conn.execute(sa.text("SELECT * FROM engine_uptime WHERE backend='sgl'"))]
+    finally:
+        engine.dispose()
