@@ -45,7 +45,7 @@ from gateway.engine_scrape import Pending
 from gateway.ledger.record import ENDPOINT_NAMES, LedgerRecord
 from gateway.ledger.writer import LedgerWriter
 from gateway.redact import configured_secrets, redact
-from gateway.routing import Decision, DifficultyModels, decide
+from gateway.routing import Decision, DifficultyModels, budget_downgrade, decide
 from gateway.shadow.reference import without_reference
 from gateway.shadow.runner import ShadowRunner, ShadowTicket
 from openai_wire import SSE_DONE, APIError, ClientClosed, answer_text, sse_event, until_disconnect
@@ -91,7 +91,7 @@ class Call:
     route: RouteSpec
     body: dict  # the client's request, as sent
     endpoint: Endpoint
-    chain: list[str]  # the backends to try, first choice first (routing's decision)
+    decision: Decision  # routing's, complete: the backends to try (first choice first) and why
     reservation: Reservation | None
     started: float
     in_flight: metrics.InFlight  # ended when the plain response is ready or the stream's on_end runs
@@ -159,7 +159,8 @@ async def _admit(services: Services, request: Request, endpoint: Endpoint, recor
     stage_profile.mark("route")
     stage_profile.set_route(route.name)
     prompt_tokens = view.estimated_tokens
-    reservation = await _reserve(services, key, policy, route, decision, body, endpoint, prompt_tokens, record)
+    reservation, decision = await _reserve(services, key, policy, route, decision, body, endpoint, prompt_tokens)
+    record.route_reason = decision.reason
     stage_profile.mark("reserve")
     try:  # the rate limits after the budget: a request refused (or failing) from here gives its reservation back
         if (shared := services.limiter.admit(key, prompt_tokens)) is not None:
@@ -175,7 +176,7 @@ async def _admit(services: Services, request: Request, endpoint: Endpoint, recor
         raise
     stage_profile.mark("admit")
     return Call(record=record, key=key, policy=policy, route=route, body=body, endpoint=endpoint,
-                chain=decision.chain, reservation=reservation, started=started, in_flight=in_flight,
+                decision=decision, reservation=reservation, started=started, in_flight=in_flight,
                 prompt_tokens=prompt_tokens, shadow=shadow)
 
 
@@ -268,12 +269,13 @@ def _route(services: Services, policy: Policy, body: dict, endpoint: Endpoint,
 
 
 async def _reserve(services: Services, key: KeyInfo, policy: Policy, route: RouteSpec, decision: Decision,
-                   body: dict, endpoint: Endpoint, prompt_tokens: int, record: LedgerRecord) -> Reservation | None:
+                   body: dict, endpoint: Endpoint, prompt_tokens: int) -> tuple[Reservation | None, Decision]:
     """Reserve the chain's worst-case cost (every prompt, choice and output: admission.token_demand; unpriced
-    requests by the policy's `budgets:` rules); a key that cannot afford it may still afford `easy` alone
-    (routing: `budget_downgrade`, which then narrows decision.chain to easy). None for a key without a budget."""
+    requests by the policy's `budgets:` rules); a key that cannot afford it may still afford routing's cheaper
+    decision (routing.budget_downgrade). The reservation (None for a key without a budget) and the decision
+    it is for."""
     if key.budget_usd is None:
-        return None
+        return None, decision
     demand = admission.token_demand(body, endpoint, prompt_tokens)
 
     def amount(chain: list[str]) -> float:
@@ -281,15 +283,12 @@ async def _reserve(services: Services, key: KeyInfo, policy: Policy, route: Rout
         return budgets.reservation_usd(worst, policy.budgets, admission.cap_param(endpoint))
 
     try:
-        return await services.budgets.reserve(key, amount(decision.chain), prompt_tokens)
+        return await services.budgets.reserve(key, amount(decision.chain), prompt_tokens), decision
     except APIError as exc:
-        if not (route.budget_downgrade and exc.code == "insufficient_quota" and route.easy
-                and decision.chain != [route.easy]):
+        cheaper = budget_downgrade(route, decision) if exc.code == "insufficient_quota" else None
+        if cheaper is None:
             raise
-    reservation = await services.budgets.reserve(key, amount([route.easy]), prompt_tokens)  # 429 if even that is too much
-    decision.chain = [route.easy]
-    record.route_reason = "budget"
-    return reservation
+    return await services.budgets.reserve(key, amount(cheaper.chain), prompt_tokens), cheaper  # 429 if even that
 
 
 # ---------------------------------------------------------------- dispatch
@@ -303,7 +302,7 @@ def _payload(call: Call) -> dict:
 async def _dispatch(services: Services, request: Request, call: Call, with_fallbacks: Callable) -> Any:
     """Try the call's chain with `with_fallbacks` (plain or stream opener) until the client leaves: its
     result, or the Response that ends the request (499 for a closed client, the upstream's error)."""
-    chain = services.pool.chain(call.chain)
+    chain = services.pool.chain(call.decision.chain)
     # Embedded engines not serving yet (starting, or restarting after a crash) are skipped: the fallbacks answer,
     # or, with none left, a 503 with Retry-After (nothing was sent).
     starting = [b for b in chain if services.pool.retry_after_s(b.name) is not None]
@@ -367,8 +366,7 @@ async def _stream(services: Services, request: Request, call: Call) -> Response:
         return outcome
     backend, chunks, _ = outcome
     call.record.endpoint = ledger_endpoint(call.record.endpoint, chunks.served_as)  # sent as chat: the row says so
-    if call.chain and backend.name != call.chain[0]:
-        call.record.route_reason = "fallback"  # as _outcome will write it: the header says it up front
+    call.record.route_reason = call.decision.reason_served_by(backend.name)  # as _outcome will write it
     relay = _Relay(services, call, backend, chunks)
     # The cost is not known up front: it comes in the final usage chunk (usage.cost_usd), when one is sent.
     headers = {"x-switchyard-backend": backend.name, "x-request-id": call.record.request_id}
@@ -630,8 +628,7 @@ def _outcome(services: Services, call: Call, spec: BackendSpec | None, completio
         record.backend = spec.name
         record.replica = record.replica or fleet.replica_of(spec.name)
         record.served_model = record.served_model or spec.model
-        if call.chain and spec.name != call.chain[0]:
-            record.route_reason = "fallback"  # routing: the chain's first choice did not serve it
+        record.route_reason = call.decision.reason_served_by(spec.name)
         if completion is not None:
             _charge(services, call, spec, completion, status, device_seconds_estimated)
     if answer is not None and call.route.log_prompts:

@@ -12,8 +12,10 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_late
 from gateway.engine_load import UNKNOWN, EngineLoad, _Engine, histogram_quantile, metrics_url, parse_samples
 from gateway.policy import IdleSpec, PolicyError, SpilloverSpec, parse_policy
 from gateway.routing import (
+    Decision,
     DifficultyModels,
     RoutingRuntime,
+    budget_downgrade,
     choose,
     decide,
     difficulty_chain,
@@ -290,6 +292,21 @@ def test_route_settings_parse() -> None:
     assert r.spillover == SPILL and r.idle == IDLE and r.shadow.judge == "mini" and r.budget_downgrade
     assert parse_policy(ROUTE_HEAD + "    strategy: difficulty\n    easy: local\n    hard: mini\n"
                         "    shadow: {sample_rate: 1}\n", "p.yaml").routes["assistant"].shadow.judge == "exact"
+
+
+def test_the_budget_downgrade_and_the_fallback_reason_are_routings() -> None:
+    """The decision is complete before the proxy acts on it: the cheaper decision a key that cannot afford hard
+    gets, and the reason a row records for the backend that served it."""
+    head = ROUTE_HEAD + "    strategy: difficulty\n    easy: local\n    hard: mini\n"
+    allowed = parse_policy(head + "    budget_downgrade: true\n", "p.yaml").routes["assistant"]
+    hard = Decision(chain=["mini", "local"], reason="difficulty_hard", difficulty=0.7, threshold=0.5)
+    cheaper = budget_downgrade(allowed, hard)
+    assert cheaper == Decision(chain=["local"], reason="budget", difficulty=0.7, threshold=0.5)
+    assert hard.chain == ["mini", "local"] and hard.reason == "difficulty_hard"  # the first decision is kept
+    assert budget_downgrade(allowed, cheaper) is None  # easy alone already: the refusal stands
+    assert budget_downgrade(parse_policy(head, "p.yaml").routes["assistant"], hard) is None  # not allowed
+    assert hard.reason_served_by("mini") == "difficulty_hard"
+    assert hard.reason_served_by("local") == "fallback"
 
 
 @pytest.mark.parametrize(("body", "expected"), [
