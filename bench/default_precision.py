@@ -2,12 +2,12 @@
 fp32, bf16, int8 and int4 g32 on this CPU -- batch-1 decode tok/s and perplexity -- and what `--quantization auto`
 (hosted/precision.py) picks here, checked against the fastest precision within 1% perplexity of fp32.
 
-The measurements are bench/cheaper_model.py's precision section (same prompt, decode timing and perplexity text),
+The measurements are bench/cheaper/precision.py's precision section (same prompt, decode timing and perplexity text),
 with the engines loaded once and the decode runs interleaved in rounds (every precision once per round, the order
 rotated), so that a neighbour's load on a shared machine falls on all of them rather than on one; per precision the
 median over rounds of each round's median run is reported.
 
-    python -m bench.default_precision                     # writes bench/results/default_precision_<cpu>.{json,md}
+    python -m bench.default_precision                     # files bench/results/default_precision/<machine>.{json,md}
     python -m bench.default_precision --rounds 2 --ppl-tokens 1024 --out /tmp/p
 """
 from __future__ import annotations
@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from bench.cheaper_model import (
+from bench import store
+from bench.cheaper.precision import (
     BLOCK,
     GROUP_SIZE,
     MODEL,
@@ -34,7 +35,7 @@ from bench.cheaper_model import (
     log,
     perplexity,
 )
-from bench.cheaper_spec import OPEN_ENDED, encode
+from bench.cheaper.spec import OPEN_ENDED, encode
 from bench.machine_info import cpu_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,7 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # requires of a quantized engine (>= 75% of the tokens the same until the first flip).
 PPL_BOUND = 0.01
 CHAT_BOUND = 0.75
-# Greedy answers compared with fp32's: the README's quick-start question and bench/cheaper_spec.py's open chat prompts.
+# Greedy answers compared with fp32's: the README's quick-start question and bench/cheaper/spec.py's open chat prompts.
 QUICK_START = "What is the capital of France?"
 CHAT_TOKENS = 32
 
@@ -163,7 +164,7 @@ def table(res: dict) -> str:
                      f"{chat} | {'yes' if r['sound'] else 'no'} | {r.get('quick_start_answer', '')!r} |")
     auto = d["auto"]
     lines += ["", (f"Sound = perplexity within {PPL_BOUND:.0%} of fp32's and at least {CHAT_BOUND:.0%} of fp32's greedy "
-                   f"chat tokens kept until the first flip (the quick-start question and bench/cheaper_spec.py's 8 open "
+                   f"chat tokens kept until the first flip (the quick-start question and bench/cheaper/spec.py's 8 open "
                    f"chat prompts, {CHAT_TOKENS} tokens each; the rule tests/hosted/test_quantization.py holds a "
                    f"quantized engine to)."), "",
               f"Fastest sound precision here: **{d['fastest_sound']}** (fastest within the perplexity bound alone: "
@@ -174,7 +175,9 @@ def table(res: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=None, help="path without extension (default: bench/results/default_precision_<cpu>)")
+    p.add_argument("--out", default=None, help="write OUT.json and OUT.md (path without extension) instead of filing "
+                                               "the run in bench/results/default_precision/<machine>")
+    p.add_argument("--label", default="", help="a name for this run in the results history")
     p.add_argument("--precisions", default=",".join(PRECISIONS))
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
@@ -203,12 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     res = measure(args)
     res["meta"]["wall_seconds"] = time.perf_counter() - t0
-    slug = "xeon" if "Xeon" in res["meta"]["cpu"] else "epyc" if "EPYC" in res["meta"]["cpu"] else "cpu"
-    out = Path(args.out or ROOT / f"bench/results/default_precision_{slug}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(res, indent=1))
-    out.with_suffix(".md").write_text(table(res))
+    saved = store.save("default_precision", res, markdown=table(res), label=args.label, out=args.out)
     print(table(res), flush=True)
+    print(f"saved {saved}")
     return 0
 
 

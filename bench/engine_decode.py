@@ -6,7 +6,7 @@ transformers model allocated), then served by LLMEngine three times: unquantized
 default: the peer), int8 per-channel, int4 group-wise with zero points (activations and KV cache stay in
 --dtype). The CPU smoke run uses fp32 (bf16 matmuls are slow on CPU) and labels the dense run "fp32".
 
-    python -m bench.engine_decode --device cuda --out bench/results/engine_decode_h200   # Llama-3-8B shape
+    python -m bench.engine_decode --device cuda    # Llama-3-8B shape; files bench/results/engine_decode/<gpu>
     python -m bench.engine_decode --cpu-smoke --out /tmp/engine_decode_smoke               # tiny, CPU, < 1 min
 
 Measured per weight format (every step timed around LLMEngine.step(), which synchronises the GPU):
@@ -39,7 +39,9 @@ from pathlib import Path
 
 import torch
 
+from bench import store
 from bench.fixtures import SHAPES, checkpoint_bytes, default_work_dir, write_random_checkpoint
+from bench.machine_info import gpu_slug
 from bench.roofline import copy_bandwidth, peak_bandwidth
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -308,8 +310,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--shape", default=None, choices=list(SHAPES), help="model shape (default: llama3-8b)")
     p.add_argument("--quick", action="store_true", help="fewer steps and a shorter prompt")
     p.add_argument("--cpu-smoke", action="store_true", help="= --device cpu --shape tiny --quick (< 1 minute)")
-    p.add_argument("--out", default=None, help="output path without extension (.json and .md written); "
-                                               "default bench/results/engine_decode_<device>")
+    p.add_argument("--out", default=None, help="output path without extension (.json and .md written) instead of "
+                                               "filing the run in bench/results/engine_decode/<device>")
+    p.add_argument("--label", default="", help="a name for this run in the results history")
     p.add_argument("--schemes", default=",".join(SCHEMES), help="comma list of dense,int8,int4")
     p.add_argument("--dtype", default=None, choices=list(SHORT_DTYPE),
                    help="activations, KV cache and the unquantized weights")
@@ -376,8 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         name = f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
     peak = peak_bandwidth(name) if device.type == "cuda" else None
-    tag = "".join(c if c.isalnum() else "_" for c in name.lower()).strip("_")[:40]
-    out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"engine_decode_{tag}"
+    # Progress goes to --out (or a temporary file) after every format; the run is filed at the end.
+    out = Path(args.out) if args.out else Path(tempfile.gettempdir()) / f"switchyard-engine-decode-{os.getpid()}"
     try:
         import triton
         triton_version = triton.__version__
@@ -443,7 +446,13 @@ def main(argv: list[str] | None = None) -> int:
         if owned:
             shutil.rmtree(model_dir, ignore_errors=True)
     print(markdown(results))
-    log(f"wrote {out}.json and {out}.md")
+    if args.out:
+        log(f"wrote {out}.json and {out}.md")
+    else:
+        machine = gpu_slug(name) if device.type == "cuda" else None
+        log(f"saved {store.save('engine_decode', results, markdown=markdown(results), label=args.label, machine=machine)}")
+        for suffix in (".json", ".md"):
+            out.with_name(out.name + suffix).unlink(missing_ok=True)
     failed = [s for s, r in results["runs"].items() if r.get("error")]
     return 1 if failed and len(failed) == len(results["runs"]) else 0
 

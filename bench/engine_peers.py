@@ -1,6 +1,6 @@
 """This engine against llama.cpp and vLLM's CPU build, side by side on this CPU, at every precision (issue 13).
 
-    python -m bench.engine_peers                        # writes bench/results/engine_peers.{json,md}
+    python -m bench.engine_peers                        # files bench/results/engine_peers/<machine>.{json,md}
     python -m bench.engine_peers --engines ours --precisions int8,int4 --runs 1     # a subset
 
 One run measures, for each engine and precision, over the OpenAI wire format (token-id prompts, temperature 0,
@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import platform
 import re
@@ -54,10 +53,8 @@ import sys
 import time
 from pathlib import Path
 
-
-from bench import peers
+from bench import peers, store
 from bench.roofline import read_bandwidth
-
 from hosted.config import DEFAULT_DECODE_BURST_MS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -113,7 +110,6 @@ def our_step_bytes(model: Path, extra: list[str]) -> int:
     """Bytes our decode step reads at this precision (bench/engine_decode.weight_bytes_per_step on the loaded
     model, packed copies as the GEMMs read them)."""
     from bench.engine_decode import weight_bytes_per_step
-
     from hosted.config import EngineConfig, ModelConfig
     from hosted.model_runner import ModelRunner
 
@@ -346,7 +342,9 @@ def check_targets(rows: list[dict]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=str(ROOT / "bench/results/engine_peers"), help="path without extension")
+    p.add_argument("--out", default=None, help="write OUT.json and OUT.md (path without extension) instead of filing "
+                                               "the run in bench/results/engine_peers/<machine>")
+    p.add_argument("--label", default="", help="a name for this run in the results history (before, final, ...)")
     p.add_argument("--engines", default="ours,llama.cpp,vllm")
     p.add_argument("--precisions", default=",".join(PRECISIONS))
     p.add_argument("--threads", type=int, default=2)
@@ -399,12 +397,9 @@ def main(argv: list[str] | None = None) -> int:
                     "llama_cpp": peers.llamacpp_version(), "seconds": time.time() - t0},
            "rows": rows}
     res["targets"] = check_targets(rows)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(res, indent=2))
     text = table(res)
-    out.with_suffix(".md").write_text(text)
     print(text)
+    print(f"saved {store.save('engine_peers', res, markdown=text, label=args.label, out=args.out)}")
     return 0
 
 

@@ -13,13 +13,12 @@ shared machine; wall time is printed too.
     python -m bench.engine_profile --threads 1 --profile
     python -m bench.engine_profile --gemm               # also the GEMM/GEMV rate table
 
-Prints a table and writes bench/results/engine_profile.json.
+Prints a table and files the run in bench/results/engine_profile/<machine>.json.
 """
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import sys
@@ -29,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from bench import store
 from bench.fixtures import random_smollm
 from bench.roofline import copy_bandwidth
 
@@ -154,7 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-rows", type=int, default=25)
     ap.add_argument("--gemm", action="store_true", help="also measure F.linear rates on the model's shapes")
     ap.add_argument("--model-dir", default=None, help="reuse a saved checkpoint directory (built if missing)")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "engine_profile.json"))
+    ap.add_argument("--out", default=None, help="write this JSON file instead of filing the run in "
+                                                "bench/results/engine_profile/<machine>.json")
+    ap.add_argument("--label", default="", help="a name for this run in the results history")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -196,9 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{g['m']:>5} {g['op']:<8} {g['n']:>6} {g['k']:>5} {g['gflops_wall']:>12.1f} "
                   f"{g['gflops_per_cpu_s']:>12.1f} {g['gb_s_wall']:>10.1f}")
     results["load_avg_at_end"] = os.getloadavg()
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
+    print(f"saved {store.save('engine_profile', results, label=args.label, out=args.out)}")
     return 0
 
 

@@ -1,7 +1,7 @@
 """What serving costs a batch-1 decode step: the time between two decode steps outside the native step, in-process
 and through `switchyard engine serve` (plain and streamed), side by side in one run.
 
-    python -m bench.engine_server_overhead                      # int8, writes bench/results/engine_server_overhead.json
+    python -m bench.engine_server_overhead                      # int8, files bench/results/engine_server_overhead/<machine>
     python -m bench.engine_server_overhead --precision int4 --rounds 3
 
 Wall-clock tok/s on these machines moves by ±20% within minutes with the host's memory bandwidth, which hides a
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import httpx
 
-from bench import peers
+from bench import peers, store
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -176,7 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gap-ms", type=float, default=20.0, help="longer intervals (prefill, idle) are not counted")
     p.add_argument("--burst-ms", type=float, nargs="*", default=[],
                    help="also streamed with the server's --decode-burst-ms at each of these values")
-    p.add_argument("--out", default=str(ROOT / "bench/results/engine_server_overhead"), help="path without extension")
+    p.add_argument("--out", default=None, help="write OUT.json and OUT.md (path without extension) instead of filing "
+                                               "the run in bench/results/engine_server_overhead/<machine>")
+    p.add_argument("--label", default="", help="a name for this run in the results history")
     args = p.parse_args(argv)
     kind, extra = MODELS[args.precision]
     model = peers.smollm2_llamacpp_models((kind,))[kind]
@@ -204,11 +206,10 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {mode} | {med[mode]['interval_ms']:.3f} | {med[mode]['native_ms']:.3f} | "
                      f"{med[mode]['outside_ms']:.3f} | {'' if tok is None else f'{tok:.1f}'} |")
     text = "\n".join(lines) + "\n"
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "rounds": runs, "median": med}, indent=2))
-    out.with_suffix(".md").write_text(text)
     print(text)
+    saved = store.save("engine_server_overhead", {"args": vars(args), "rounds": runs, "median": med}, markdown=text,
+                       label=args.label or (args.precision if args.precision != "int8" else ""), out=args.out)
+    print(f"saved {saved}")
     return 0
 
 

@@ -22,13 +22,12 @@ Also measured:
     python -m bench.engine_throughput --quick         # smoke run, < 1 minute
     nice -n 10 python -m bench.engine_throughput --hf-requests 8
 
-Prints a table and writes bench/results/engine_throughput.json.
+Prints a table and files the run in bench/results/engine_throughput/<machine>.json.
 """
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import random
@@ -40,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from bench import store
 from bench.fixtures import random_smollm
 from bench.roofline import copy_bandwidth
 
@@ -315,7 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--system-tokens", type=int, default=None, help="shared system prompt (default 1024; quick 128)")
     ap.add_argument("--prefix-trials", type=int, default=None, help="(default 5; quick 2)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "engine_throughput.json"))
+    ap.add_argument("--out", default=None, help="write this JSON file instead of filing the run in "
+                                                "bench/results/engine_throughput/<machine>.json")
+    ap.add_argument("--label", default="", help="a name for this run in the results history (--quick: 'quick')")
     args = ap.parse_args(argv)
     q = args.quick
     n_req = args.requests or (4 if q else 64)
@@ -405,10 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     results["targets"] = TARGETS
     results["targets_met"] = {k: ratios[k] >= v for k, v in TARGETS.items() if k in ratios}
     print_table(results)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    log(f"wrote {out}")
+    label = args.label or ("quick" if q else "")
+    log(f"wrote {store.save('engine_throughput', results, label=label, out=args.out)}")
     return 0
 
 

@@ -12,7 +12,7 @@ Measured per strategy: prefix hit rate (cached / prompt tokens, the engines' own
 time to the first content chunk), throughput (requests/s), load spread (requests per replica, max / mean).
 Targets (issue 32): cache-aware >= 2x round-robin's hit rate, >= 30% lower p50 TTFT, no replica > 1.5x mean.
 
-    .venv/bin/python -m bench.fleet            # prints a table, writes bench/results/fleet.json
+    .venv/bin/python -m bench.fleet            # prints a table, files bench/results/fleet/<machine>.json
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from pathlib import Path
 
 import httpx
 
+from bench import store
 from bench.machine_info import free_port, machine
 from bench.servers import wait_http
 from gateway.testing.standin import run_standin, standin_control, standin_stats
@@ -40,7 +41,6 @@ ROOT = Path(__file__).resolve().parent.parent
 
 KEY = "sk-bench-fleet"
 STRATEGIES = ("cache_aware", "round_robin", "least_loaded")
-RESULTS = ROOT / "bench" / "results" / "fleet.json"
 
 
 def workload(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
@@ -140,7 +140,9 @@ def main() -> int:
     p.add_argument("--cache-blocks", type=int, default=256,
                    help="each stand-in's prefix cache, in 16-word blocks (its KV capacity)")
     p.add_argument("--seed", type=int, default=32)
-    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--out", type=Path, default=None,
+                   help="write this JSON file instead of filing the run in bench/results/fleet/<machine>.json")
+    p.add_argument("--label", default="", help="a name for this run in the results history")
     args = p.parse_args()
     convs = workload(args)
     results: dict = {}
@@ -181,13 +183,11 @@ def main() -> int:
     print("\n".join(lines))
     ca, rr = results["cache_aware"], results["round_robin"]
     payload = {"benchmark": "fleet", "machine": machine(), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-               "workload": {k: v for k, v in vars(args).items() if k != "out"}, "results": results,
+               "workload": {k: v for k, v in vars(args).items() if k not in ("out", "label")}, "results": results,
                "targets": {"hit_rate_ratio_vs_round_robin": ca["hit_rate"] / max(rr["hit_rate"], 1e-9),
                            "p50_ttft_reduction_vs_round_robin": 1 - ca["ttft_p50_ms"] / rr["ttft_p50_ms"],
                            "max_over_mean_load": ca["load_max_over_mean"]}}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"saved {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}")
+    print(f"saved {store.save('fleet', payload, label=args.label, out=args.out)}")
     return 0
 
 

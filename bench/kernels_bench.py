@@ -4,7 +4,7 @@ On CUDA: times the Triton kernels (through kernels.ops) against the card's peak 
 against torch peers measured in the same run (fp16 torch.matmul for the GEMVs, torch SDPA over a
 dense contiguous KV cache for decode attention). Writes <out>.json and <out>.md.
 
-    python -m bench.kernels_bench --out bench/results/kernels_h100
+    python -m bench.kernels_bench    # on the GPU; files bench/results/kernels/<gpu>.{json,md}
     python -m bench.kernels_bench --cpu-smoke --out /tmp/smoke   # tiny shapes, reference path, CPU
 
 Bytes counted: decode attention reads K and V for every context position of every KV head (plus q
@@ -15,7 +15,6 @@ zeros at 4 bytes each per group; fp16: 2*N*K).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -24,11 +23,12 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from bench import store
+from bench.machine_info import gpu_slug
 from bench.roofline import peak_bandwidth
 from kernels import ops
 
@@ -142,7 +142,9 @@ def markdown(meta: dict, rows: list[Row]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="output path without extension (.json and .md written)")
+    parser.add_argument("--out", default=None, help="output path without extension (.json and .md written) instead "
+                                                    "of filing the run in bench/results/kernels/<device>")
+    parser.add_argument("--label", default="", help="a name for this run in the results history")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="tiny shapes on CPU through the reference path: exercises the code, measures nothing")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
@@ -180,12 +182,12 @@ def main(argv: list[str] | None = None) -> int:
         rows = bench_decode(device, dtype, time_ms, peak, decode_cfgs)
         rows += bench_linear(device, dtype, time_ms, peak, shapes, batches, groups)
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=2))
     table = markdown(meta, rows)
-    out.with_suffix(".md").write_text(table)
+    machine = gpu_slug(meta["device"]) if device.type == "cuda" else None
+    saved = store.save("kernels", {"meta": meta, "rows": [asdict(r) for r in rows]}, markdown=table,
+                       label=args.label, out=args.out, machine=machine)
     print(table)
+    print(f"saved {saved}")
     return 0
 
 

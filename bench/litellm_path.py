@@ -9,7 +9,7 @@ exclusive time by area), the breakdown docs/api-path.md quotes.
 
     python -m bench.litellm_path [--calls 400] [--rounds 3] [--profile]
 
-Prints a table and writes bench/results/litellm_path.json. The machine is shared: compare the ratios.
+Prints a table and files the run in bench/results/litellm_path/<machine>.json. The machine is shared: compare the ratios.
 """
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import contextlib
 import cProfile
-import json
 import os
 import platform
 import pstats
@@ -33,6 +32,7 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 import aiohttp
 import orjson
 
+from bench import store
 from bench.machine_info import cpu_model, free_port
 from bench.servers import start, stop, wait_port
 from gateway.backends.litellm_backend import LiteLLMBackend
@@ -183,7 +183,9 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=400, help="calls per target per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="also profile the full litellm call")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "litellm_path.json")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="write this JSON file instead of filing the run in bench/results/litellm_path/<machine>.json")
+    parser.add_argument("--label", default="", help="a name for this run in the results history")
     args = parser.parse_args()
     os.environ[KEY_ENV] = "sk-bench"
     load_before = os.getloadavg()
@@ -218,9 +220,7 @@ def main() -> int:
                "settings": {"calls": args.calls, "rounds": args.rounds, "model": "openai/gpt-4o-mini",
                             "upstream": "gateway.testing.standin, own process"},
                "summary": summary, "rounds": rounds, "profile_full_call": profile}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(payload, indent=2))
-    print(f"\nsaved {args.out}")
+    print(f"\nsaved {store.save('litellm_path', payload, label=args.label, out=args.out)}")
     return 0
 
 

@@ -57,6 +57,12 @@ def machine_slug(info: dict[str, str] | None = None, cpus: int | None = None) ->
     return "-".join(p for p in [*parts, f"{cpus}vcpu"] if p)
 
 
+def gpu_slug(device_name: str) -> str:
+    """A GPU's results name: 'NVIDIA H200' -> 'h200' (a GPU run is filed by its device, not its host CPU)."""
+    name = re.sub(r"^nvidia\s+", "", device_name.strip().lower())
+    return re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "gpu"
+
+
 def machine() -> dict:
     return {"cpus": os.cpu_count(), "cpu_model": cpu_model(), "platform": platform.platform(),
             "slug": machine_slug()}

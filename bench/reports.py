@@ -17,14 +17,13 @@ and PASS when it is at most 10 s. `--index TABLE:COL1,COL2` creates an extra ind
 (to measure what a migration would buy; never committed to the schema).
 
     .venv/bin/python -m bench.reports [--rows 1000000] [--days 30] [--databases sqlite,postgresql]
-                                      [--out bench/results/reports.json]
+                                      [--out FILE] (default: bench/results/reports/<machine>.json)
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import io
-import json
 import os
 import platform
 import sys
@@ -38,6 +37,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from bench import store
 from gateway import db
 from gateway.reports.decision import DecisionInputs, decide
 from gateway.reports.figures import Ledger, Window
@@ -198,7 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="", help="comma-separated entry point names (default: all)")
     ap.add_argument("--index", action="append", default=[], metavar="TABLE:COL1,COL2",
                     help="create this extra index by hand after seeding (measure it; migrations own the schema)")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "reports.json"))
+    ap.add_argument("--out", default=None, help="write this JSON file instead of filing the run in "
+                                                "bench/results/reports/<machine>.json")
+    ap.add_argument("--label", default="", help="a name for this run in the results history")
     args = ap.parse_args(argv)
     kinds = [k.strip() for k in args.databases.split(",") if k.strip()]
     only = {s.strip() for s in args.only.split(",") if s.strip()} or None
@@ -254,9 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<40}" + "".join(cells))
     seed_line = ", ".join(f"{k}: {v['load_seconds']}s ({v['rows_per_s']:,} rows/s)" for k, v in doc["seed"].items())
     print(f"\nseed load: {seed_line}; load average {info['loadavg_start']} → {doc['meta']['machine']['loadavg_end']}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    print(f"wrote {store.save('reports', doc, label=args.label, out=args.out)}")
     failed = [(k, n) for k, r in doc["results"].items() for n, v in r.items() if not v["pass"]]
     return 1 if failed else 0
 

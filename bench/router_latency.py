@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import sys
 import tempfile
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import store
 from bench.machine_info import cpu_model
 from router.dataset import load_labelled
 from router.model import DifficultyModel
@@ -203,7 +203,9 @@ def main() -> int:
     ap.add_argument("--minilm-dir", default=None, help="all-MiniLM-L6-v2 directory (HF layout) to time as well")
     ap.add_argument("--no-reference", action="store_true", help="skip the previous scoring path's column")
     ap.add_argument("--no-peers", action="store_true", help="skip the scikit-learn (and MiniLM) peers")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "router_latency.json"))
+    ap.add_argument("--out", default=None, help="write this JSON file instead of filing the run in "
+                                                "bench/results/router_latency/<machine>.json")
+    ap.add_argument("--label", default="", help="a name for this run in the results history")
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -292,10 +294,7 @@ def main() -> int:
     print(f"\nours: worst p99 {worst_p99:.0f} us wall, {worst_cpu_p99:.0f} us CPU (target <= 1000 us); "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs ({result['machine']}; shared machine, "
           f"other jobs running: the wall tail is the scheduler's, CPU time is the work)")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    print(f"wrote {store.save('router_latency', result, label=args.label, out=args.out)}")
     return 0
 
 

@@ -7,13 +7,12 @@
 2. The project's seed set (router/data/): other task families, repeated 5-fold CV; APGR per
    family of the model's out-of-fold scores against the prompt-length heuristic.
 
-Prints tables, writes bench/results/router_quality.json and a PNG of the 70/30 curves.
+Prints tables, files bench/results/router_quality/<machine>.json and a PNG of the 70/30 curves.
     .venv/bin/python -m bench.router_quality [--data FILE] [--folds 5] [--quick]
 """
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import store
 from router.dataset import LabelledSet, load_labelled
 from router.features import FeatureConfig
 from router.metrics import evaluate, routing_curve
@@ -226,9 +226,13 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5, help="repeats of the seed-set CV")
     ap.add_argument("--quick", action="store_true", help="baselines and the default model only")
     ap.add_argument("--skip-mmlu", action="store_true")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "router_quality.json"))
-    ap.add_argument("--plot", default=str(ROOT / "bench" / "results" / "router_quality.png"))
+    ap.add_argument("--out", default=None, help="write this JSON file instead of filing the run in "
+                                                "bench/results/router_quality/<machine>.json")
+    ap.add_argument("--plot", default=None, help="the PNG of the curves (default: beside the results)")
+    ap.add_argument("--label", default="", help="a name for this run in the results history")
     args = ap.parse_args()
+    if args.plot is None:
+        args.plot = str(Path(args.out).with_suffix(".png") if args.out else store.artifact("router_quality", ".png"))
     result: dict = {"benchmark": "router_quality"}
     if not args.skip_mmlu:
         if not Path(args.data).is_file():
@@ -241,9 +245,7 @@ def main() -> int:
                              np.concatenate([s.strong for s in seeds]), [f for s in seeds for f in s.family],
                              "router/data")
         result["seed_set"] = run_families(merged, args.seed, args.repeats)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    out = store.save("router_quality", result, label=args.label or ("quick" if args.quick else ""), out=args.out)
     print(f"\nwrote {out}" + (f" and {args.plot}" if not args.skip_mmlu else ""))
     return 0
 

@@ -11,7 +11,7 @@ One run on 127.0.0.1: the stand-in upstream (its own process, so its memory and 
 
 The gateway's RSS is sampled every 0.5 s throughout. Growth is measured from the end of warm-up (streams done and
 the first 10% of the short requests served) to the end, and to the peak. Afterwards the ledger must hold one row
-per request sent. Prints a table, writes bench/results/soak.json, soak.md and soak.png (RSS and latency over
+per request sent. Prints a table, files bench/results/soak/<machine>.json, .md and .png (RSS and latency over
 time).
 
     .venv/bin/python -m bench.soak [--streams 1000] [--requests 200000] [--quick]
@@ -34,13 +34,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench import store
 from bench.gateway_overhead import KEY
 from bench.loadgen import build_request, run_load
-from bench.machine_info import free_port
+from bench.machine_info import cpu_model, free_port
 from bench.servers import start, stop, wait_http
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
 STREAM_TOKENS = 20
 STREAM_TOKEN_DELAY_MS = 500.0
 PROBE_REQUESTS = 200
@@ -257,11 +257,13 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=200_000)
     parser.add_argument("--checkpoints", type=int, default=40)
     parser.add_argument("--quick", action="store_true", help="a smoke run: 100 streams, 4,000 requests")
-    parser.add_argument("--out", type=Path, default=RESULTS / "soak.json")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="write this JSON file (and .md, .png beside it) instead of filing the run in "
+                             "bench/results/soak/<machine>")
     parser.add_argument("--render", type=Path, metavar="JSON", help="redraw the table, .md and plot of a result")
     args = parser.parse_args()
     if args.render:
-        report(json.loads(args.render.read_text()), args.render)
+        report(json.loads(args.render.read_text()), args.render, write_json=False)
         return 0
     if args.quick:
         args.streams, args.requests, args.checkpoints = 100, 4000, 8
@@ -329,7 +331,7 @@ def main() -> int:
                    requests_sent=sent, ledger_rows=rows_in_ledger, seconds=time.perf_counter() - t0)
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                           check=False).stdout.strip()
-    payload = {"commit": f"{head} + working tree", "machine": {"cpus": os.cpu_count(), "cpu": _cpu_model(),
+    payload = {"commit": f"{head} + working tree", "machine": {"cpus": os.cpu_count(), "cpu": cpu_model(),
                                                                "platform": platform.platform()},
                "settings": {"streams": args.streams, "stream_tokens": STREAM_TOKENS,
                             "stream_token_delay_ms": STREAM_TOKEN_DELAY_MS, "requests": args.requests,
@@ -337,9 +339,7 @@ def main() -> int:
                             "probe_requests": PROBE_REQUESTS, "ledger": "sqlite, on"},
                "summary": summary, "marks_s": marks, "checkpoints": rows,
                "rss_samples": [[round(t, 2), round(r, 2)] for t, r in sampler.samples]}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(payload, indent=1))
-    report(payload, args.out)
+    report(payload, args.out, label="quick" if args.quick else "")
     return 0 if tally.complete == args.streams and summary["short_errors"] == 0 else 1
 
 
@@ -374,21 +374,22 @@ def table(payload: dict) -> str:
     ])
 
 
-def report(payload: dict, out: Path) -> None:
-    """Print the table; write it as Markdown and the plot beside the JSON."""
+def report(payload: dict, out: Path | None, label: str = "", write_json: bool = True) -> None:
+    """Print the table; file the run (bench/store.py) or write `out` with the Markdown and the plot beside it."""
     text = table(payload)
     print("\n" + text)
-    out.with_suffix(".md").write_text(text + "\n")
-    plot(out.with_suffix(".png"), [tuple(x) for x in payload["rss_samples"]], payload["checkpoints"],
-         payload["marks_s"])
-    print(f"\nsaved {out}, {out.with_suffix('.md').name} and {out.with_suffix('.png').name}")
+    if out is None:
+        saved, png = store.save("soak", payload, markdown=text + "\n", label=label), store.artifact("soak", ".png")
+    else:
+        if write_json:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(payload, indent=1))
+        out.with_suffix(".md").write_text(text + "\n")
+        saved, png = out, out.with_suffix(".png")
+    plot(png, [tuple(x) for x in payload["rss_samples"]], payload["checkpoints"], payload["marks_s"])
+    print(f"\nsaved {saved} and {png}")
 
 
-def _cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 if __name__ == "__main__":

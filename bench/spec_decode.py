@@ -2,7 +2,7 @@
 (prompt lookup) and draft-model proposals, on an input-grounded workload (the answer copies the prompt) and on
 open-ended text, side by side in one run; acceptance rates and the steps taken.
 
-    python -m bench.spec_decode --out bench/results/spec_decode_cpu       # ~2 min on 2 CPU cores
+    python -m bench.spec_decode          # ~2 min on 2 CPU cores; files bench/results/spec_decode/<machine>.json
 
 Drafts: the demo model itself (acceptance ~100%, but every draft token costs a full target forward, so the
 goodput planner should switch it off) and its first two layers (same embeddings and head, untrained as a
@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from bench import store
 from hosted.engine import EngineConfig, LLMEngine, SamplingParams
 from hosted.models import DEMO_MODEL_DIR
 from hosted.tokenizer import Tokenizer
@@ -80,7 +81,9 @@ def run_once(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=None, help="write <out>.json")
+    ap.add_argument("--out", default=None, help="write OUT.json instead of filing the run in "
+                                               "bench/results/spec_decode/<machine>.json")
+    ap.add_argument("--label", default="", help="a name for this run in the results history")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
@@ -136,9 +139,9 @@ def main() -> int:
                       f"accept={row['acceptance']!s:<6} drafts/token={row['proposed_per_token']:<6} "
                       f"tokens/step={row['tokens_per_step']:<5} same={row['same_output']}", flush=True)
     shutil.rmtree(tmp, ignore_errors=True)
-    if args.out:
-        Path(args.out + ".json").write_text(json.dumps({"threads": torch.get_num_threads(), "k": args.k,
-                                                        "max_tokens": args.max_tokens, "results": results}, indent=1))
+    saved = store.save("spec_decode", {"threads": torch.get_num_threads(), "k": args.k, "max_tokens": args.max_tokens,
+                                       "results": results}, label=args.label, out=args.out)
+    print(f"saved {saved}")
     return 0
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 from bench.machine_info import machine as machine_record
@@ -34,8 +34,9 @@ def commit() -> str:
 
 
 def stamp(label: str = "") -> dict:
-    return {"label": label, "commit": commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "machine": machine_record()}
+    # UTC, to the millisecond: runs order by this string (two runs filed within one second stay in order)
+    date = datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    return {"label": label, "commit": commit(), "date": date, "machine": machine_record()}
 
 
 def path(bench: str, machine: str | None = None, suffix: str = ".json", root: Path = RESULTS_DIR) -> Path:
@@ -61,9 +62,10 @@ def machines(bench: str, root: Path = RESULTS_DIR) -> list[str]:
 
 
 def save(bench: str, result: dict, *, markdown: str | None = None, label: str = "", out: Path | str | None = None,
-         root: Path = RESULTS_DIR) -> Path:
-    """File one run: appended to <bench>/<machine>.json, its markdown on top of <machine>.md. With `out`, write
-    `out`.json (and .md) alone, unstamped: the shape the benchmark always wrote. Returns the JSON's path."""
+         machine: str | None = None, root: Path = RESULTS_DIR) -> Path:
+    """File one run: appended to <bench>/<machine>.json, its markdown on top of <machine>.md (`machine`: this
+    host's slug unless given, e.g. a GPU's). With `out`, write `out`.json (and .md) alone, unstamped: the shape
+    the benchmark always wrote. Returns the JSON's path."""
     if out is not None:
         target = Path(out) if str(out).endswith(".json") else Path(f"{out}.json")
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -71,8 +73,9 @@ def save(bench: str, result: dict, *, markdown: str | None = None, label: str = 
         if markdown is not None:
             target.with_suffix(".md").write_text(markdown)
         return target
-    record = load(bench, root=root)
+    record = load(bench, machine, root=root)
     run = {**stamp(label), "result": result}
+    run["machine"]["slug"] = record["machine"]
     record["runs"].append(run)
     target = path(bench, record["machine"], root=root)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -86,7 +89,7 @@ def save(bench: str, result: dict, *, markdown: str | None = None, label: str = 
 
 def heading(run: dict) -> str:
     label = f" · {run['label']}" if run.get("label") else ""
-    return f"## {run['date']}{label} · commit {run['commit']} · {run['machine'].get('cpu_model', '?')}"
+    return f"## {run['date']}{label} · commit {run['commit']} · {run['machine'].get('cpu_model') or 'CPU not recorded'}"
 
 
 def prepend_markdown(md: Path, run: dict, markdown: str) -> None:
@@ -101,3 +104,10 @@ def artifact(bench: str, suffix: str, root: Path = RESULTS_DIR) -> Path:
     p = path(bench, suffix=suffix, root=root)
     p.parent.mkdir(parents=True, exist_ok=True)
     return p
+
+
+def newest(bench: str, label: str | None = None, root: Path = RESULTS_DIR) -> tuple[str, dict] | None:
+    """(machine, run) of the benchmark's most recent run on any machine (with that label, when given)."""
+    found = [(run["date"], m, run) for m in machines(bench, root) for run in load(bench, m, root)["runs"]
+             if label is None or run.get("label") == label]
+    return max(found, key=lambda t: t[0])[1:] if found else None

@@ -2,7 +2,7 @@
 batch 32, the same prompts unconstrained and constrained by a JSON schema, with the grammar masks filled on a
 worker thread during the forward ("overlap", the engine's default) and inline after it.
 
-    python -m bench.structured_decode            # ~2 min on 2 CPU cores; writes bench/results/structured_decode.json
+    python -m bench.structured_decode            # ~2 min on 2 CPU cores; files bench/results/structured_decode/<machine>.json
 
 The schema forces a long answer (an array of at least 40 short strings), so constrained sequences run to
 max_tokens exactly as unconstrained ones (ignore_eos) do: every configuration generates the same number of
@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from bench import store
 from hosted.async_llm_engine import AsyncLLMEngine
 from hosted.engine import EngineConfig, LLMEngine
 from hosted.models import SMOLLM2_MODEL
@@ -59,7 +59,9 @@ def main() -> None:
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", default=str(ROOT / "bench/results/structured_decode.json"))
+    ap.add_argument("--out", default=None, help="write this JSON file instead of filing the run in "
+                                                "bench/results/structured_decode/<machine>.json")
+    ap.add_argument("--label", default="", help="a name for this run in the results history")
     args = ap.parse_args()
     torch.manual_seed(0)
     engine = LLMEngine(EngineConfig(model_dir=SMOLLM2_MODEL, max_num_seqs=32, kv_cache_gb=0.5,
@@ -106,12 +108,9 @@ def main() -> None:
     for r in rows:
         print(f"{r['batch']:>5}  {r['config']:<24}{r['tokens']:>7}{r['tok_per_s']:>9.1f}"
               f"{r['ms_per_token_over_unconstrained']:>11.3f}{r['overhead_pct']:>9.1f}%")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"model": SMOLLM2_MODEL, "max_tokens": args.max_tokens, "rounds": args.rounds,
             "torch_threads": torch.get_num_threads(), "loadavg_at_start": Path("/proc/loadavg").read_text().split()[:3]}
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    print(f"wrote {out}")
+    print(f"wrote {store.save('structured_decode', {'meta': meta, 'rows': rows}, label=args.label, out=args.out)}")
 
 
 if __name__ == "__main__":

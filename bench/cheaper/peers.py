@@ -1,9 +1,9 @@
 """Cheaper model, peers section: the same SmolLM2-135M-Instruct weights on llama.cpp and vLLM (CPU), per
 precision, under continuous batching, and with llama.cpp's own speculative decoding -- the yardstick for our
-engine's figures in bench/cheaper_model.py (which imports this module: add_args, run, table).
+engine's figures in bench/cheaper/ (bench/cheaper/run.py imports this module: add_args, run, table).
 
-    python -m bench.cheaper_peers --smoke       # standalone, tiny settings (~3 min, most of it vLLM startups)
-    python -m bench.cheaper_peers --out bench/results/cheaper_peers    # default settings (~6-8 min, idle CPU)
+    python -m bench.cheaper.peers --smoke       # standalone, tiny settings (~3 min, most of it vLLM startups)
+    python -m bench.cheaper.peers --out /tmp/cheaper_peers    # default settings (~6-8 min, idle CPU)
 
 The peers are built/installed by bench/peers.py (bench/.peers/, never the project's dependencies); see that
 module for how each server is run and why. Every request is a token-id prompt (`"prompt": [ids]`, identical
@@ -60,11 +60,7 @@ from pathlib import Path
 
 import httpx
 
-
 from bench import peers
-
-BENCH = Path(__file__).resolve().parent
-ROOT = BENCH.parent
 
 LLAMA_PRECISIONS = ("F32", "BF16", "Q8_0", "Q4_0", "Q4_1")
 VLLM_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
@@ -78,7 +74,7 @@ MIB = 1 << 20
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group(
-        "peers", "llama.cpp / vLLM peers on the same weights (bench/cheaper_peers.py)"
+        "peers", "llama.cpp / vLLM peers on the same weights (bench/cheaper/peers.py)"
     )
     g.add_argument("--peers-skip", action="store_true", help="skip the whole peers section")
     g.add_argument("--peers-runs", type=int, default=3, help="timed batch-1 runs (median), after a warm-up")

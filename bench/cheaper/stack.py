@@ -1,4 +1,4 @@
-"""Cheaper model, the compounding stack (issue 10), imported by bench/cheaper_model.py.
+"""Cheaper model, the compounding stack (issue 10), part of bench.cheaper (bench/cheaper/run.py).
 
 One workload -- --stack-requests chat requests sharing a long system prompt, each with its own question,
 --stack-tokens greedy tokens each -- served five ways, each adding one technique to the one before:
@@ -69,7 +69,7 @@ def _serve(engine, prompts: list[list[int]], tokens: int, one_at_a_time: bool) -
 
 
 def run(args, root: Path, tok, log) -> dict[str, Any]:
-    from bench.cheaper_spec import DISTILLED
+    from bench.cheaper.spec import DISTILLED
     from hosted.engine import EngineConfig, LLMEngine
 
     usd = policy_gpu_hour_usd(root)

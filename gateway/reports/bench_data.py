@@ -1,9 +1,9 @@
 """The benchmark figures `report capacity` and `report ladder` plan from, and the machine each was measured on.
 
 The figures ship with the package (gateway/reports/data/, declared as package data), so both reports work from
-any directory and on an installed package, not only inside a checkout. They are byte-for-byte copies of
-bench/results/ (the source: the benchmarks write there), checked by tests/gateway/test_reports_anywhere.py;
-after rerunning a benchmark, copy its JSON here. Always reading the packaged copy (never bench/results when
+any directory and on an installed package, not only inside a checkout. Each is the result of the benchmark's
+newest run in bench/results/<bench>/<machine>.json (the source: the benchmarks file their runs there), checked
+by tests/gateway/test_reports_anywhere.py; after rerunning a benchmark, write that run's result here. Always reading the packaged copy (never bench/results when
 it happens to exist) keeps a report's figures the same in a checkout and on an install.
 
 A benchmark names its machine in `meta` (`device`, `cpu` / `gpu`, `threads`) or, for engine_throughput.json,
@@ -83,5 +83,15 @@ def machine_of(data: Any) -> Machine:
 
 
 def read_json(path: str | Path) -> Any:
-    """The parsed file; OSError / ValueError as json and open raise them."""
-    return json.loads(Path(path).read_text())
+    """The parsed file (a results record: its newest run); OSError / ValueError as json and open raise them."""
+    return latest_result(json.loads(Path(path).read_text()))
+
+
+def latest_result(data: Any) -> Any:
+    """One run's figures from either file shape: a bench/results/<bench>/<machine>.json record (every run on that
+    machine, newest last: its newest run's result) or one run's JSON (what a benchmark writes with --out, and the
+    packaged copies)."""
+    runs = data.get("runs") if isinstance(data, dict) and "bench" in data else None
+    if isinstance(runs, list) and runs and isinstance(runs[-1], dict) and "result" in runs[-1]:
+        return runs[-1]["result"]
+    return data

@@ -38,6 +38,7 @@ from gateway.reports.bench_data import (
     UNNAMED,
     Machine,
     describe,
+    latest_result,
     machine_of,
     missing_hint,
 )
@@ -177,7 +178,7 @@ def load_curve(path: str | Path | None = None) -> Curve:
     problems = []
     for p in candidates:
         try:
-            data = json.loads(p.read_text())
+            data = latest_result(json.loads(p.read_text()))
         except OSError as e:
             problems.append(f"{describe(p)}: {e.strerror or e}")
             continue

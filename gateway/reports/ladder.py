@@ -22,7 +22,14 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from gateway.pricing import UTILISATION_FLOOR
-from gateway.reports.bench_data import CHEAPER_MODEL, Machine, describe, machine_of, missing_hint
+from gateway.reports.bench_data import (
+    CHEAPER_MODEL,
+    Machine,
+    describe,
+    latest_result,
+    machine_of,
+    missing_hint,
+)
 from gateway.reports.machine_price import MachinePriceError, machine_price
 from gateway.reports.report_policy import ReportPolicyError, report_policy
 
@@ -47,7 +54,7 @@ class LadderRung:
 def _load(path: str | Path | None) -> tuple[Path, Any]:
     p = Path(path) if path else DEFAULT_BENCH
     try:
-        return p, json.loads(p.read_text())
+        return p, latest_result(json.loads(p.read_text()))
     except FileNotFoundError:
         raise LadderError(f"{describe(p)}: no such file ({missing_hint(p, '--bench')})") from None
     except OSError as e:
@@ -74,7 +81,7 @@ def load_stack_meta(path: str | Path | None = None) -> dict[str, Any]:
     """The stack section without its rows (requests, tokens, gpu_hour_usd, system_prompt_tokens)."""
     p = Path(path) if path else DEFAULT_BENCH
     load_stack(p)  # the same errors
-    stack = json.loads(p.read_text())["stack"]
+    stack = latest_result(json.loads(p.read_text()))["stack"]
     return {k: v for k, v in stack.items() if k != "rows"}
 
 

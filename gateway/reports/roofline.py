@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gateway.reports.bench_data import describe
+from gateway.reports.bench_data import describe, latest_result
 
 SCALE_BLOCK = 32  # values sharing one scale in the quantized formats
 SCALE_BYTES = 2  # an fp16 scale
@@ -111,7 +111,7 @@ class RooflineRow:
 
 def _read_json(path: Path) -> dict[str, Any] | None:
     try:
-        data = json.loads(path.read_text())
+        data = latest_result(json.loads(path.read_text()))
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None

@@ -467,9 +467,9 @@ def ladder_sheet(bench: str | None, prices: PriceCells, d: DecisionCells) -> She
     from gateway.pricing import UTILISATION_FLOOR
 
     s = Sheet("Ladder", widths={7: 50}, wrap={7})
-    from gateway.settings import PROJECT_ROOT
+    from gateway.reports.bench_data import CHEAPER_MODEL
 
-    path = bench or str(PROJECT_ROOT / "bench" / "results" / "cheaper_model.json")
+    path = bench or str(CHEAPER_MODEL)  # the packaged copy of the benchmark's figures, as `report ladder` reads
     head = ["rung", "output tok/s", "× previous", "× first", "$/Mtok @ 100%", "$/Mtok @ the Decision utilisation",
             "note"]
     try:

@@ -8,9 +8,7 @@ benchmark's docs table is written from its JSON between markers, never by hand.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import httpx
@@ -73,14 +71,9 @@ def test_the_profile_endpoint_does_not_exist_unless_switched_on(standin, tmp_pat
 
 
 def _bench_module():
-    spec = importlib.util.spec_from_file_location("gateway_overhead_bench", ROOT / "bench" / "gateway_overhead.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-    return module
+    from bench import gateway_overhead
+
+    return gateway_overhead
 
 
 def test_the_docs_table_and_the_drift_come_from_the_json(tmp_path):

@@ -16,11 +16,14 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Boolean, DateTime, Float, Integer, String, column, create_engine, insert, table
 
+from bench import store
 from gateway.db import sync_url, upgrade
 from gateway.reports import capacity, ladder, roofline
 
 ROOT = Path(__file__).resolve().parents[2]
-REAL_BENCH = ROOT / "bench" / "results" / "cheaper_model.json"
+# The cheaper benchmark's results record (bench/results/cheaper/<machine>.json) and its newest full run.
+REAL_BENCH = store.path("cheaper", store.newest("cheaper", label="")[0])
+REAL_RUN = store.newest("cheaper", label="")[1]["result"]
 
 POLICY = """\
 backends:
@@ -123,7 +126,7 @@ def test_impossible_ttft_is_a_clear_error(curve_file):
 
 
 def test_curve_without_ttft_cannot_meet_a_ttft_target():
-    curve = capacity.parse_curve(json.loads(REAL_BENCH.read_text()), "cheaper_model.json")
+    curve = capacity.parse_curve(REAL_RUN, "cheaper_model.json")
     assert [p.concurrency for p in curve.points] == [1, 8, 32]
     assert all(p.ttft_p95_ms is None and p.time_derived for p in curve.points)
     with pytest.raises(capacity.CapacityError, match="no TTFT measurements"):
@@ -226,8 +229,8 @@ def test_bytes_per_precision_and_kv():
 
 
 def test_roofline_table_from_the_real_bench():
-    shape = roofline.model_shape_from_bench([REAL_BENCH, ROOT / "bench" / "results" / "engine_throughput.json"])
-    data = json.loads(REAL_BENCH.read_text())
+    shape = roofline.model_shape_from_bench([REAL_BENCH, store.path("engine_throughput", store.newest("engine_throughput")[0])])
+    data = REAL_RUN
     assert shape.param_count == data["runs"]["fp32"]["param_bytes"] // 4
     assert shape.kv_values_per_position == 11520  # SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64
     rows = roofline.roofline_table(shape.param_count, 0, 0, {"H200": 4.8e12})
@@ -419,7 +422,7 @@ def test_ladder_run_prints_table(stack_file, policy_file):
 
 def test_ladder_over_the_real_benchmark(policy_file):
     rows = ladder.load_stack(REAL_BENCH)
-    usd = json.loads(REAL_BENCH.read_text())["stack"]["gpu_hour_usd"]
+    usd = REAL_RUN["stack"]["gpu_hour_usd"]
     rungs = ladder.ladder_rows(rows, usd, None)
     assert len(rungs) == len(rows) >= 5
     for rung, row in zip(rungs, rows, strict=True):  # the benchmark priced its rows the same way

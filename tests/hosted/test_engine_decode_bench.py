@@ -11,18 +11,17 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "bench" / "engine_decode.py"
-sys.path.insert(0, str(ROOT / "bench"))
+from bench import engine_decode as bench
+from bench.fixtures import tensor_plan
 
-import engine_decode as bench
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_shapes_are_the_named_models():
-    plan = bench.tensor_plan(bench.SHAPES["llama3-8b"])
+    plan = tensor_plan(bench.SHAPES["llama3-8b"])
     assert sum(math.prod(s) for _, s in plan) == 8_030_261_248  # Meta-Llama-3-8B's parameter count
     assert bench.checkpoint_bytes(bench.SHAPES["llama3-8b"]) == 2 * 8_030_261_248
-    assert sum(math.prod(s) for _, s in bench.tensor_plan(bench.SHAPES["smollm"])) == 134_515_008  # SmolLM-135M
+    assert sum(math.prod(s) for _, s in tensor_plan(bench.SHAPES["smollm"])) == 134_515_008  # SmolLM-135M
     assert [bench.default_group_size(bench.SHAPES[k]) for k in ("tiny", "smollm", "llama3-8b")] == [128, 64, 128]
 
 
@@ -42,7 +41,7 @@ def test_random_checkpoint_is_a_valid_sharded_hf_checkpoint(tmp_path):
     info = bench.write_random_checkpoint(tmp_path, shape, seed=3, shard_bytes=200_000)
     assert info["shards"] >= 3 and info["bytes"] == bench.checkpoint_bytes(shape)
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
-    assert set(index["weight_map"]) == {name for name, _ in bench.tensor_plan(shape)}
+    assert set(index["weight_map"]) == {name for name, _ in tensor_plan(shape)}
     with safe_open(str(tmp_path / index["weight_map"]["model.layers.1.mlp.down_proj.weight"]), "pt") as f:
         w = f.get_tensor("model.layers.1.mlp.down_proj.weight")
     assert w.dtype == torch.bfloat16 and w.shape == (128, 256)
@@ -64,7 +63,7 @@ def test_random_checkpoint_is_a_valid_sharded_hf_checkpoint(tmp_path):
 @pytest.mark.timeout(120)
 def test_cpu_smoke_run_produces_complete_results(tmp_path):
     out = tmp_path / "res" / "engine_decode_smoke"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--cpu-smoke", "--out", str(out), "--work-dir", str(tmp_path)],
+    proc = subprocess.run([sys.executable, "-m", "bench.engine_decode", "--cpu-smoke", "--out", str(out), "--work-dir", str(tmp_path)],
                           check=False, capture_output=True, text=True, timeout=110, cwd=str(ROOT))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.with_name(out.name + ".json").read_text())

@@ -2,14 +2,9 @@
 targets judged from the rows (a synthetic result: the benchmark itself needs the peers built)."""
 from __future__ import annotations
 
-import sys
 from argparse import Namespace
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
-
-import engine_peers
+from bench import engine_peers
 
 
 def _row(engine, precision, b1, conc, read, step_mb=100.0, drift=0.0):

@@ -3,7 +3,6 @@ was), on every request shape: random texts and conversations, the latency benchm
 unicode, empty and huge requests; and its score cache never answers for a different request."""
 from __future__ import annotations
 
-import sys
 import threading
 from pathlib import Path
 
@@ -22,8 +21,7 @@ from tests.router.conftest import make_rows
 from tests.router.test_router_model import ODD_REQUESTS
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
-from router_latency import workloads  # the benchmark's request shapes
+from bench.router_latency import workloads  # the benchmark's request shapes
 
 TOL = 1e-9
 # Words, digits, punctuation, markdown and code, 2-, 3- and 4-byte UTF-8, whitespace of every kind.
