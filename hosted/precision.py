@@ -2,7 +2,7 @@
 neither is given (`--quantization auto`, the default), the fastest one measured to be sound: within 1% of float32's
 perplexity AND keeping float32's greedy answers as test_quantization.py requires of a quantized engine (>= 75% of
 the tokens the same until the first flip). Measured on SmolLM2-135M-Instruct's Q4_1 GGUF (docs/engine.md
-"Precision", bench/results/default_precision_*): every precision is within 1% (bf16 +0.12%, int4 g32 +0.33%,
+"Precision", bench/results/default_precision/): every precision is within 1% (bf16 +0.12%, int4 g32 +0.33%,
 int8 +0.48%), but the native int8/int4 kernels round the activations to int8 and their greedy chat answers flip
 early (int4 54% and int8 30% of the tokens kept; the README's quick-start question answered with nonsense at
 int4), while bf16 keeps them all, at 1.3x float32's batch-1 decode speed there (int8 / int4: 1.8-2.3x). So:
