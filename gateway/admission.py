@@ -9,7 +9,7 @@ from openai_wire import messages_text
 
 
 def validate(body: object, endpoint: str) -> dict:
-    """Check the request against OpenAI's request schema (gateway/request_schema.py) before any routing: a
+    """Check the request against OpenAI's request schema (openai_wire/requests.py) before any routing: a
     400 naming the field, whichever backend the route would pick. The body itself is passed on unchanged."""
     if not isinstance(body, dict):
         raise errors.invalid_request("The request body must be a JSON object.")

@@ -6,7 +6,7 @@ comes back as a Response object (`to_response`), and a chat stream is re-emitted
 typed events (`stream_events`: response.created, response.output_item.added, response.content_part.added,
 response.output_text.delta…, response.output_text.done, response.content_part.done,
 response.output_item.done, response.completed — or response.incomplete when the token limit cut it short).
-Text in, text out: the request has passed gateway/request_schema.py's ResponsesRequest, which refuses
+Text in, text out: the request has passed openai_wire/requests.py's ResponsesRequest, which refuses
 what this translation cannot carry (built-in tools, images, `previous_response_id`).
 """
 from __future__ import annotations

@@ -9,10 +9,12 @@ knows but a backend cannot honour are the backend's to refuse (the engine's 400 
 """
 from __future__ import annotations
 
-from gateway import errors, request_schema
+from gateway import errors
+from openai_wire.engine_requests import EXTENSION_FIELDS
+from openai_wire.requests import MODELS
 
-# Engine extensions the in-house engine honours (hosted/openai_protocol.py), as vLLM spells them.
-EXTENSIONS = frozenset({"top_k", "stop_token_ids", "ignore_eos", "add_generation_prompt", "chat_template_kwargs"})
+# Engine extensions the in-house engine honours (openai_wire/engine_requests.py), as vLLM spells them.
+EXTENSIONS = EXTENSION_FIELDS
 
 
 def _sdk_fields() -> dict[str, frozenset[str]]:
@@ -32,7 +34,7 @@ def _sdk_fields() -> dict[str, frozenset[str]]:
 def _known() -> dict[str, frozenset[str]]:
     sdk = _sdk_fields()
     return {endpoint: sdk[endpoint] | frozenset(model.model_fields) | {"model", "stream"} | EXTENSIONS
-            for endpoint, model in request_schema._MODELS.items()}
+            for endpoint, model in MODELS.items()}
 
 
 KNOWN = _known()  # decided once, at import

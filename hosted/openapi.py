@@ -1,7 +1,8 @@
 """The engine server's OpenAPI 3.1 document (`GET /openapi.json`).
 
-The request bodies are the JSON Schema of hosted/openai_protocol.py's pydantic models — the ones the server
-parses every request with — so the document and the 400s cannot disagree. The models let unknown fields through
+The request bodies are the JSON Schema of openai_wire/engine_requests.py's pydantic models — the ones the server
+parses every request with (OpenAI's rules, the gateway's too, and the engine's extensions) — so the document and
+the 400s cannot disagree. The models let unknown fields through
 so that request_plan.reject_unsupported can refuse each by name; the document says what that function accepts:
 no field beyond the models' own but those it takes as they are. Built once, on first request.
 """
@@ -14,17 +15,18 @@ from pydantic.json_schema import models_json_schema
 from starlette.requests import Request
 from starlette.responses import Response
 
-from hosted.openai_protocol import ChatCompletionRequest, CompletionRequest
 from hosted.request_plan import _ACCEPTED_AS_IS
+from openai_wire.engine_requests import EngineChatRequest, EngineCompletionRequest
 from openai_wire.openapi import Operation, document, package_version
+from openai_wire.request_json_schema import RequestSchemas
 
 _DESCRIPTION = ("Switchyard's inference engine: OpenAI's chat and text completions for the one model it serves "
                 "(`GET /v1/models`). Extensions as vLLM spells them: `top_k`, `stop_token_ids`, `ignore_eos`. "
                 "Every response carries `x-request-id`; every error is OpenAI's error body.")
 
 _ENDPOINTS = (
-    ("/v1/chat/completions", "Create a chat completion", ChatCompletionRequest, "ChatCompletion"),
-    ("/v1/completions", "Create a text completion", CompletionRequest, "TextCompletion"),
+    ("/v1/chat/completions", "Create a chat completion", EngineChatRequest, "ChatCompletion"),
+    ("/v1/completions", "Create a text completion", EngineCompletionRequest, "TextCompletion"),
 )
 
 
@@ -41,7 +43,7 @@ def _closed(schema: dict) -> None:
 @functools.cache
 def build() -> dict:
     refs, defs = models_json_schema([(model, "validation") for _, _, model, _ in _ENDPOINTS],
-                                    ref_template="#/components/schemas/{model}")
+                                    ref_template="#/components/schemas/{model}", schema_generator=RequestSchemas)
     schemas = defs.get("$defs", {})
     for _, _, model, _ in _ENDPOINTS:
         _closed(schemas[model.__name__])

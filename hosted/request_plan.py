@@ -6,17 +6,18 @@ import dataclasses
 import threading
 import uuid
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from hosted import tool_calls
 from hosted.async_llm_engine import AsyncLLMEngine
-from hosted.openai_protocol import ChatCompletionRequest, CompletionRequest
 from hosted.sampling_params import SamplingParams
 from hosted.schema_support import StrictSchemaError, check_strict, grammar_schema
 from hosted.structured import GrammarCompiler, SchemaError, check_schema
 from hosted.tokenizer import ChatTemplateError, Tokenizer
 from openai_wire import APIError
+from openai_wire.engine_requests import EngineChatRequest, EngineCompletionRequest, part_text
 
 _COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -43,7 +44,7 @@ class Plan:
     tools: bool = False  # parse the output into tool_calls (hosted/tool_calls.py)
 
 
-def plan_request(kind: str, req: ChatCompletionRequest | CompletionRequest, tokenizer: Tokenizer,
+def plan_request(kind: str, req: EngineChatRequest | EngineCompletionRequest, tokenizer: Tokenizer,
                  engine: AsyncLLMEngine) -> Plan:
     reject_unsupported(req)
     if kind == "chat":
@@ -71,15 +72,26 @@ _UNSUPPORTED = {
 }
 
 
-def reject_unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:
+def reject_unsupported(req: EngineChatRequest | EngineCompletionRequest) -> None:
     """Nothing is silently ignored: a field the engine does not know, or cannot honour, is a 400 naming it."""
-    for name, value in (req.model_extra or {}).items():
+    for name, value in _not_acted_on(req):
         accepted = _ACCEPTED_AS_IS.get(name, ())
         if name in _ACCEPTED_AS_IS and (accepted is None or value in accepted):
             continue
         hint = _UNSUPPORTED.get(name)
         message = hint or f"unknown field {name!r}: this engine does not support it"
         raise APIError(400, message, param=name, code="unsupported_parameter")
+
+
+def _not_acted_on(req: EngineChatRequest | EngineCompletionRequest) -> Iterator[tuple[str, Any]]:
+    """(name, value) of each field the request sets that the engine does not act on by itself: the OpenAI fields
+    it takes as they are or cannot honour (a null asks for nothing), then every field it does not know."""
+    for name in type(req).model_fields:
+        if (name in _ACCEPTED_AS_IS or name in _UNSUPPORTED) and name in req.model_fields_set:
+            value = getattr(req, name)
+            if value is not None:
+                yield name, value
+    yield from (req.model_extra or {}).items()
 
 
 def too_long(prompt_len: int, max_tokens: int, engine: AsyncLLMEngine, param: str) -> APIError | None:
@@ -103,7 +115,7 @@ def _check_length(prompt_len: int, max_tokens: int, engine: AsyncLLMEngine, para
         raise err
 
 
-def build_sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: int, tokenizer: Tokenizer,
+def build_sampling_params(req: EngineChatRequest | EngineCompletionRequest, max_tokens: int, tokenizer: Tokenizer,
                           engine: AsyncLLMEngine, logprobs: bool, top_logprobs: int) -> SamplingParams:
     stop_ids = list(req.stop_token_ids or [])
     if not req.ignore_eos:
@@ -113,16 +125,19 @@ def build_sampling_params(req: ChatCompletionRequest | CompletionRequest, max_to
             if tid not in engine.engine.eos_token_ids and tid not in stop_ids:
                 stop_ids.append(tid)
     top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
+    top_p = 1.0 if req.top_p is None else float(req.top_p)
+    if top_p == 0.0:  # OpenAI's top_p 0: the smallest nucleus, the one most likely token (the sampler needs p > 0)
+        top_p, top_k = 1.0, 1
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else float(req.temperature),
-        top_p=1.0 if req.top_p is None else float(req.top_p),
+        top_p=top_p,
         top_k=top_k,
         seed=req.seed,
         presence_penalty=float(req.presence_penalty or 0.0),
         frequency_penalty=float(req.frequency_penalty or 0.0),
         stop_token_ids=stop_ids,
-        ignore_eos=req.ignore_eos,
+        ignore_eos=bool(req.ignore_eos),
         logprobs=logprobs,
         top_logprobs=top_logprobs,
     )
@@ -163,7 +178,7 @@ def grammar_compiler(tokenizer: Tokenizer, engine: AsyncLLMEngine) -> GrammarCom
         return compiler
 
 
-def _response_schema(req: ChatCompletionRequest) -> Any:
+def _response_schema(req: EngineChatRequest) -> Any:
     """The JSON schema response_format asks for, or None for free text."""
     rf = req.response_format
     if rf is None or rf.type == "text":
@@ -173,15 +188,10 @@ def _response_schema(req: ChatCompletionRequest) -> Any:
     if rf.json_schema is None:
         raise APIError(400, "response_format of type json_schema needs response_format.json_schema",
                        param="response_format.json_schema", code="missing_required_parameter")
-    schema = rf.json_schema.schema_
+    schema = rf.json_schema.schema_  # a JSON object (OpenAI's schema; the engine once also took true and false)
     if schema is None:
         raise APIError(400, "response_format.json_schema.schema is required", param="response_format.json_schema.schema",
                        code="missing_required_parameter")
-    if schema is True:
-        return {}
-    if schema is False:
-        raise APIError(400, "response_format.json_schema.schema is false: no output can match it",
-                       param="response_format.json_schema.schema", code="invalid_value")
     _check(schema, "response_format.json_schema.schema", strict=rf.json_schema.strict is True)
     return schema
 
@@ -200,11 +210,9 @@ def _check(schema: Any, param: str, strict: bool) -> None:
         raise APIError(400, f"invalid schema: {exc}", param=param, code="invalid_value") from None
 
 
-def _tools(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]] | None, str | None]:
-    """(the tool definitions the prompt and grammar use, tool choice) or a 400."""
-    if req.tool_choice is not None and not req.tools:
-        raise APIError(400, "tool_choice is only allowed when tools are given", param="tool_choice",
-                       code="invalid_value")
+def _tools(req: EngineChatRequest) -> tuple[list[dict[str, Any]] | None, str | None]:
+    """(the tool definitions the prompt and grammar use, tool choice) or a 400. A forced choice without tools is
+    the schema's 400 (openai_wire/requests.py); "none" or "auto" without tools asks for no tool."""
     choice = req.tool_choice_name
     if choice is None or choice == "none":
         return None, choice
@@ -226,7 +234,7 @@ def _tools(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]] | None, str
     return tools, choice
 
 
-def _chat_grammar(req: ChatCompletionRequest, tools: list[dict[str, Any]] | None, choice: str | None,
+def _chat_grammar(req: EngineChatRequest, tools: list[dict[str, Any]] | None, choice: str | None,
                   tokenizer: Tokenizer, engine: AsyncLLMEngine) -> Any:
     schema = _response_schema(req)
     if tools is None and schema is None:
@@ -257,12 +265,13 @@ def _grammar_tool(tool: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------- chat
-def plan_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, engine: AsyncLLMEngine) -> Plan:
+def plan_chat(req: EngineChatRequest, tokenizer: Tokenizer, engine: AsyncLLMEngine) -> Plan:
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs", code="invalid_value")
     tools, choice = _tools(req)
+    _refuse_media(req)
     nbytes = sum(len(m.content.encode()) if isinstance(m.content, str) else
-                 sum(len(p.text.encode()) for p in m.content or []) for m in req.messages)
+                 sum(len(part_text(p).encode()) for p in m.content or []) for m in req.messages)
     check_text_size(nbytes, tokenizer, engine, "messages")
     ids = _chat_prompt_ids(req, tokenizer, tools, choice)
     max_tokens = req.max_output_tokens
@@ -274,18 +283,27 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, engine: AsyncLLM
                            param="messages", code="context_length_exceeded")
     _check_length(len(ids), max_tokens, engine, "messages")
     top = int(req.top_logprobs or 0)
-    params = build_sampling_params(req, max_tokens, tokenizer, engine, req.logprobs, top)
+    params = build_sampling_params(req, max_tokens, tokenizer, engine, bool(req.logprobs), top)
     grammar = _chat_grammar(req, tools, choice, tokenizer, engine)
     if grammar is not None:
         params = dataclasses.replace(params, grammar=grammar, stop_token_ids=list(params.stop_token_ids))
-    return Plan("chat", f"chatcmpl-{uuid.uuid4().hex}", [PromptJob(ids, params, [])], req.n, req.stop_list,
-                req.logprobs, top, req.stream, req.include_usage, tools=tools is not None)
+    return Plan("chat", f"chatcmpl-{uuid.uuid4().hex}", [PromptJob(ids, params, [])], req.n or 1, req.stop_list,
+                bool(req.logprobs), top, bool(req.stream), req.include_usage, tools=tools is not None)
 
 
-def _chat_prompt_ids(req: ChatCompletionRequest, tokenizer: Tokenizer, tools: list[dict[str, Any]] | None,
+def _refuse_media(req: EngineChatRequest) -> None:
+    """The engine reads text: an image, audio or file part (the schema's for a user message) is a 400 naming it."""
+    for i, message in enumerate(req.messages):
+        for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
+            if part_text(part) is None:
+                raise APIError(400, f"{part.type} content parts are not supported by this engine (text only)",
+                               param=f"messages[{i}].content[{j}]", code="unsupported_parameter")
+
+
+def _chat_prompt_ids(req: EngineChatRequest, tokenizer: Tokenizer, tools: list[dict[str, Any]] | None,
                      choice: str | None) -> list[int]:
     """The conversation rendered through the chat template (tools as hosted/tool_calls.py describes), as ids."""
-    messages = [m.template_dict() for m in req.messages]
+    messages = req.template_messages()
     for i, m in enumerate(messages):
         if m.get("role") == "function":
             raise APIError(400, "the legacy `function` role is not supported: send tool results as `tool` "
@@ -297,7 +315,7 @@ def _chat_prompt_ids(req: ChatCompletionRequest, tokenizer: Tokenizer, tools: li
         native = tool_calls.template_supports_tools(source)
         if tools is not None or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
             messages = tool_calls.prepare_messages(messages, tools, choice, native)
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt is not False,
                                              tools=tools if native else None, **(req.chat_template_kwargs or {}))
     except ChatTemplateError as exc:
         raise APIError(400, str(exc), param="messages", code="invalid_value") from None
@@ -308,7 +326,7 @@ def _chat_prompt_ids(req: ChatCompletionRequest, tokenizer: Tokenizer, tools: li
 
 
 # ---------------------------------------------------------------------------------------------- completions
-def plan_completion(req: CompletionRequest, tokenizer: Tokenizer, engine: AsyncLLMEngine) -> Plan:
+def plan_completion(req: EngineCompletionRequest, tokenizer: Tokenizer, engine: AsyncLLMEngine) -> Plan:
     _check_completion_options(req)
     prompts = req.prompts()
     if not prompts:
@@ -325,14 +343,14 @@ def plan_completion(req: CompletionRequest, tokenizer: Tokenizer, engine: AsyncL
         ids, echo_text = _completion_prompt(req, prompt, param, tokenizer, engine.engine.model_config.vocab_size)
         _check_length(len(ids), max_tokens, engine, param)
         jobs.append(PromptJob(ids, params, ids, echo_text if req.echo else ""))
-    return Plan("completion", f"cmpl-{uuid.uuid4().hex}", jobs, req.n, req.stop_list, logprobs, top,
-                req.stream, req.include_usage)
+    return Plan("completion", f"cmpl-{uuid.uuid4().hex}", jobs, req.n or 1, req.stop_list, logprobs, top,
+                bool(req.stream), req.include_usage)
 
 
-def _check_completion_options(req: CompletionRequest) -> None:
+def _check_completion_options(req: EngineCompletionRequest) -> None:
     if req.suffix:
         raise APIError(400, "suffix is not supported by this engine", param="suffix", code="invalid_value")
-    if req.best_of is not None and req.best_of != req.n:
+    if req.best_of is not None and req.best_of != (req.n or 1):
         raise APIError(400, "best_of other than n is not supported by this engine", param="best_of",
                        code="invalid_value")
     if req.echo and req.logprobs is not None:
@@ -340,7 +358,7 @@ def _check_completion_options(req: CompletionRequest) -> None:
                        param="echo", code="invalid_value")
 
 
-def _completion_prompt(req: CompletionRequest, prompt: str | list[int], param: str, tokenizer: Tokenizer,
+def _completion_prompt(req: EngineCompletionRequest, prompt: str | list[int], param: str, tokenizer: Tokenizer,
                        vocab: int) -> tuple[list[int], str]:
     """(token ids, echo text) of one prompt, text or token ids."""
     if isinstance(prompt, str):

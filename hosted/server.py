@@ -29,19 +29,20 @@ from starlette.routing import Route
 from hosted import openapi
 from hosted.async_llm_engine import Admission, AsyncLLMEngine, EngineDeadError, EngineOverloaded
 from hosted.generation import Generation
-from hosted.openai_protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from hosted.render import ChunkWriter, dumps, final_body
 from hosted.request_plan import Plan, plan_request
 from hosted.server_state import ServerState
 from hosted.threads import in_fresh_thread
 from hosted.tokenizer import Tokenizer
 from openai_wire import SSE_DONE, APIError, ClientClosed, sse_event, until_disconnect
+from openai_wire.engine_requests import EngineChatRequest, EngineCompletionRequest
+from openai_wire.request_errors import parse
 from openai_wire.request_ids import RequestIdMiddleware
 from openai_wire.responses import EventStreamResponse, error_response
 
 log = logging.getLogger("switchyard.engine.server")
 
-_REQUEST_MODELS = {"chat": ChatCompletionRequest, "completion": CompletionRequest}
+_REQUEST_MODELS = {"chat": EngineChatRequest, "completion": EngineCompletionRequest}
 
 
 @dataclass(slots=True)
@@ -174,7 +175,7 @@ def _plan_body(body: bytes, kind: str, state: ServerState, tokenizer: Tokenizer,
         payload = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}") from None
-    req = parse_request(_REQUEST_MODELS[kind], payload)
+    req = parse(_REQUEST_MODELS[kind], payload)
     if req.model != state.model_name:
         raise APIError(404, f"the model {req.model!r} does not exist; this server serves {state.model_name!r}",
                        param="model", code="model_not_found")

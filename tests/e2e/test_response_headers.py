@@ -165,17 +165,18 @@ def test_param_paths_are_written_openais_way(gateway, route):
 
 
 def test_the_engines_own_param_paths_are_written_openais_way():
-    """The engine's validation errors (hosted/openai_protocol.py) had `messages.0.content.str`."""
+    """The engine's validation errors (then hosted/openai_protocol.py's) had `messages.0.content.str`."""
     from pydantic import ValidationError
 
-    from hosted.openai_protocol import ChatCompletionRequest, validation_error
+    from openai_wire.engine_requests import EngineChatRequest
+    from openai_wire.request_errors import to_api_error
 
     cases = [({"messages": [{"role": "user", "content": 42}]}, "messages[0].content"),
              ({"messages": MSG, "tools": [{"type": "function", "function": {"name": 5}}]}, "tools[0].function.name")]
     for fields, param in cases:
         with pytest.raises(ValidationError) as err:
-            ChatCompletionRequest.model_validate({"model": "m", **fields})
-        assert validation_error(err.value).param == param
+            EngineChatRequest.model_validate({"model": "m", **fields})
+        assert to_api_error(err.value).param == param
 
 
 @pytest.mark.parametrize("route", ["hosted", "local"])

@@ -28,9 +28,11 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from gateway import openapi, request_schema
+from gateway import openapi
 from gateway.keys import create_key
 from gateway.testing.standin import run_standin
+from openai_wire.request_json_schema import RequestSchemas
+from openai_wire.requests import MODELS
 from tests.e2e.conftest import run_gateway
 
 POLICY = """
@@ -128,10 +130,10 @@ def test_the_document_is_openapi_3_1_built_from_the_validators_schemas(document)
         post = document["paths"][path]["post"]
         ref = post["requestBody"]["content"]["application/json"]["schema"]["$ref"]
         name = ref.rpartition("/")[2]
-        # the very model gateway/request_schema.py validates this endpoint with
-        assert name == request_schema._MODELS[endpoint].__name__
-        own = request_schema._MODELS[endpoint].model_json_schema(ref_template="#/components/schemas/{model}",
-                                                                 schema_generator=openapi._ValidatorSchemas)
+        # the very model gateway/request_schema.py validates this endpoint with (openai_wire/requests.py's)
+        assert name == MODELS[endpoint].__name__
+        own = MODELS[endpoint].model_json_schema(ref_template="#/components/schemas/{model}",
+                                                                 schema_generator=RequestSchemas)
         assert schemas[name]["properties"] == own["properties"] and schemas[name]["required"] == own["required"]
         for status in ("4XX", "5XX"):
             assert post["responses"][status] == {"$ref": "#/components/responses/Error"}

@@ -32,9 +32,10 @@ from schemathesis.specs.openapi.checks import (
 from hosted import openapi
 from hosted.async_llm_engine import AsyncLLMEngine
 from hosted.engine import EngineConfig, LLMEngine
-from hosted.openai_protocol import ChatCompletionRequest, CompletionRequest
 from hosted.server import ServerState, build_app
 from hosted.tokenizer import Tokenizer
+from openai_wire.engine_requests import EngineChatRequest, EngineCompletionRequest
+from openai_wire.request_json_schema import RequestSchemas
 from tests.hosted.serving_helpers import build_tiny_chat_model, free_port
 
 MODEL = "tiny"
@@ -75,11 +76,11 @@ def test_the_document_is_openapi_3_1_built_from_the_parsers_models(server):
     assert document["openapi"] == "3.1.0" and document == openapi.build()
     assert set(document["paths"]) == {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health"}
     schemas = document["components"]["schemas"]
-    for path, model in (("/v1/chat/completions", ChatCompletionRequest), ("/v1/completions", CompletionRequest)):
+    for path, model in (("/v1/chat/completions", EngineChatRequest), ("/v1/completions", EngineCompletionRequest)):
         post = document["paths"][path]["post"]
         ref = post["requestBody"]["content"]["application/json"]["schema"]["$ref"]
         assert ref == f"#/components/schemas/{model.__name__}"
-        own = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        own = model.model_json_schema(ref_template="#/components/schemas/{model}", schema_generator=RequestSchemas)
         documented = schemas[model.__name__]
         assert {k: documented["properties"][k] for k in own["properties"]} == own["properties"]
         # unknown fields are refused by name (request_plan.reject_unsupported), so the document closes the object

@@ -16,9 +16,10 @@ from typing import Any
 import httpx
 import pytest
 
-from hosted.openai_protocol import ChatCompletionRequest, parse_request
 from hosted.request_plan import plan_chat
 from hosted.structured import new_matcher
+from openai_wire.engine_requests import EngineChatRequest
+from openai_wire.request_errors import parse
 from tests.hosted.strict_schema_helpers import MODEL, SCHEMA_PARAM, schema_body, tiny_engine_server
 
 # JSON Schema 2020-12, every keyword of every vocabulary (json-schema.org/draft/2020-12/meta/*).
@@ -255,7 +256,7 @@ def test_keyword_is_enforced_or_refused(case, engine_server, http):
         assert case.verdict.path.rsplit(".", 1)[-1] in error["message"]
         return
     assert r.status_code == 200, r.text
-    plan = plan_chat(parse_request(ChatCompletionRequest, body), engine_server.tokenizer, engine_server.engine)
+    plan = plan_chat(parse(EngineChatRequest, body), engine_server.tokenizer, engine_server.engine)
     compiled = plan.jobs[0].params.grammar
     stop_id = engine_server.tokenizer.eos_token_ids[0]
     for doc in case.verdict.good:
@@ -272,7 +273,7 @@ def test_length_bounds_never_let_invalid_json_or_utf8_through(engine_server, sch
     """xgrammar's own length rule lets raw control characters (invalid JSON) and UTF-8-encoded surrogates
     (invalid UTF-8, decoded as three U+FFFD, so too long) through; the engine's grammar does not."""
     body = schema_body(schema, max_tokens=4)
-    plan = plan_chat(parse_request(ChatCompletionRequest, body), engine_server.tokenizer, engine_server.engine)
+    plan = plan_chat(parse(EngineChatRequest, body), engine_server.tokenizer, engine_server.engine)
     wrap = (lambda b: b'{"' + b + b'": 1}') if schema["type"] == "object" else (lambda b: b'"' + b + b'"')
     stop_id = engine_server.tokenizer.eos_token_ids[0]
     for bad in (b"\x01", b"\x1f", b"\t", b"\xed\xa0\x80"):

@@ -12,12 +12,13 @@ import pytest
 from hosted.async_llm_engine import AsyncLLMEngine
 from hosted.engine import EngineConfig, LLMEngine
 from hosted.models import SMOLLM2_MODEL
-from hosted.openai_protocol import ChatCompletionRequest, parse_request
 from hosted.request_plan import plan_chat
 from hosted.sampling_params import SamplingParams
 from hosted.structured import SchemaError, check_schema
 from hosted.tokenizer import Tokenizer
 from openai_wire import APIError
+from openai_wire.engine_requests import EngineChatRequest
+from openai_wire.request_errors import parse
 
 SCHEMAS = {
     "person": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
@@ -63,7 +64,7 @@ def smollm2():
 
 
 def _plan(engine, tok, body):
-    req = parse_request(ChatCompletionRequest, {"model": "m", **body})
+    req = parse(EngineChatRequest, {"model": "m", **body})
     return plan_chat(req, tok, engine)
 
 
