@@ -2,11 +2,11 @@
 
 - `submit()` only appends to an in-memory queue (bounded); a background task writes batches with one
   multi-row `INSERT … ON CONFLICT (request_id) DO NOTHING` each.
-- When the queue is full, or the database fails, rows go to a local append-only JSONL spool (fsync'd).
-  The writer retries the database with exponential backoff; once it answers, the spool is rotated to
-  `<spool>.replaying`, replayed, and only then deleted. A crash at any point leaves a file that the
-  next writer replays at start; replays are idempotent because request_id is unique and conflicts
-  are ignored, so a batch that committed but whose acknowledgement was lost is harmless.
+- When the queue is full, or the database fails, rows go to a local append-only JSONL spool (fsync'd;
+  gateway/ledger/spool.py). The writer retries the database with exponential backoff
+  (gateway/ledger/outage.py); once it answers, the spool is replayed into it (spool.py: rotated to
+  `<spool>.replaying`, replayed, and only then deleted). Replays are idempotent because request_id is unique
+  and conflicts are ignored, so a batch that committed but whose acknowledgement was lost is harmless.
 - Every row is made storable before the INSERT (gateway/ledger/sanitize.py: NUL, lone surrogates, column
   widths). A row the database still refuses for what it contains is a row error, not an outage
   (gateway/ledger/failures.py): the batch is bisected, the rows around it land, and it goes to the
@@ -22,18 +22,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import json
 import logging
-import os
-import threading
 import time
 from collections import deque
 from collections.abc import Awaitable
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 from sqlalchemy import Table, text
@@ -45,8 +41,10 @@ from gateway.db import async_url, create_engine
 from gateway.ledger import sanitize
 from gateway.ledger.failures import is_row_error
 from gateway.ledger.models import EngineUptimeRow, RequestRow, ShadowEvalRow
+from gateway.ledger.outage import DatabaseState
 from gateway.ledger.quarantine import ROWS_REJECTED, Quarantine  # noqa: F401 - ROWS_REJECTED: re-exported
 from gateway.ledger.record import LedgerRecord, ShadowRecord, SpoolRecord, UptimeRecord
+from gateway.ledger.spool import RateLimited, Spool
 
 log = logging.getLogger("switchyard.ledger")
 
@@ -101,57 +99,10 @@ class _Outage(Exception):
     """The database could not be reached or failed for reasons unrelated to the rows."""
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _first_row_time(path: Path) -> float | None:
-    """Wall time of the oldest row in a spool file: its first line's created_at, else the file's mtime."""
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            first = f.readline()
-        return datetime.fromisoformat(json.loads(first)["created_at"]).timestamp()
-    except Exception:  # noqa: BLE001 - a torn or foreign first line: the file's own time will do
-        with contextlib.suppress(OSError):
-            return path.stat().st_mtime
-    return None
-
-
-def _count_lines(path: Path) -> int:
-    try:
-        with open(path, "rb") as f:
-            return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
-    except OSError:
-        return 0
-
-
 def _loggable(row: dict[str, Any]) -> str:
     """A lost row's values for the log, long texts (prompts, answers) replaced by their length."""
     short = {k: (f"<{len(v)} chars>" if isinstance(v, str) and len(v) > 200 else v) for k, v in row.items()}
     return json.dumps(short, default=str)
-
-
-class _RateLimited:
-    """Log a repeating failure once, then at most every `every_s` seconds with how often it happened."""
-
-    def __init__(self, every_s: float = 30.0) -> None:
-        self.every_s = every_s
-        self._last = float("-inf")
-        self._suppressed = 0
-
-    def __call__(self, level: int, msg: str, *args: Any, exc_info: bool = False) -> None:
-        now = time.monotonic()
-        if now - self._last < self.every_s:
-            self._suppressed += 1
-            return
-        if self._suppressed:
-            msg += f" ({self._suppressed} more since the last report)"
-        self._last, self._suppressed = now, 0
-        log.log(level, msg, *args, exc_info=exc_info)
 
 
 class LedgerWriter:
@@ -167,15 +118,12 @@ class LedgerWriter:
         if max_queue < 1 or batch_size < 1:
             raise ValueError("max_queue and batch_size must be ≥ 1")
         self.database_url = database_url
-        self.spool_path = Path(spool_path)
-        self.replay_path = self.spool_path.with_name(self.spool_path.name + ".replaying")
+        self.spool = Spool(Path(spool_path), self.record_type)
+        self.spool_path, self.replay_path, self.lock_path = self.spool.path, self.spool.replay_path, self.spool.lock_path
         self.rejected_path = self.spool_path.with_name(self.spool_path.name + ".rejected")
-        self.lock_path = self.spool_path.with_name(self.spool_path.name + ".lock")
         self.max_queue = max_queue
         self.batch_size = batch_size
         self.flush_interval_s = flush_interval_s
-        self.retry_initial_s = retry_initial_s
-        self.retry_max_s = retry_max_s
         self.connect_timeout_s = connect_timeout_s
         self.stats = WriterStats()
         self.quarantine = Quarantine(self.rejected_path, self.table.name)
@@ -189,30 +137,12 @@ class LedgerWriter:
         self._flush_probed = 0  # the flush target a database probe was last made for (see _write_or_spool)
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
 
-        self._spool_lock = threading.Lock()  # the event loop (overflow) and a worker thread both append
-        self._spool_fd: int | None = None
-        self._spool_unsynced = False
-        self._spool_pending = self.spool_path.exists() or self.replay_path.exists()
-        self._spool_error: str | None = None  # the last spool failure, until a spool write succeeds
-        self._spool_log = _RateLimited()
-        self._lost_log = _RateLimited(5.0)
-        # Rows in the spool file and in the file being replayed, and when the oldest of each was spooled
-        # (wall time): what /health reports as the spool's depth and age.
-        self._spool_rows = 0
-        self._spool_since: float | None = None
-        self._replay_rows = 0
-        self._replay_done = 0
-        self._replay_since: float | None = None
-
-        self._db_up = True
-        self._backoff = retry_initial_s
-        self._retry_at = 0.0
-        self._replay_at = 0.0  # a replay that failed on the spool's own files waits until then
+        self._lost_log = RateLimited(5.0)
+        self._db = DatabaseState(retry_initial_s, retry_max_s)
         self._engine: AsyncEngine | None = None
         self._insert: Insert | None = None
         self._task: asyncio.Task[None] | None = None
         self._inflight: list[LedgerRecord] | None = None  # popped from the queue, not yet durable
-        self._lock_fd: int | None = None
         self._closing = False
         self._stuck = False  # closing, and a batch could go neither to the database nor to the spool
         self._closed = False
@@ -225,20 +155,17 @@ class LedgerWriter:
 
     @property
     def db_available(self) -> bool:
-        return self._db_up
+        return self._db.up
 
     @property
     def spool_rows(self) -> int:
         """Rows waiting in the spool files (written there, not yet in the database)."""
-        return self._spool_rows + max(0, self._replay_rows - self._replay_done)
+        return self.spool.rows
 
     @property
     def spool_age_s(self) -> float:
         """Seconds since the oldest row still waiting in the spool was spooled (0 when none waits)."""
-        if not self.spool_rows:
-            return 0.0
-        since = [t for t in (self._spool_since, self._replay_since) if t is not None]
-        return max(0.0, time.time() - min(since)) if since else 0.0
+        return self.spool.age_s
 
     def health(self) -> dict[str, Any]:
         """The ledger's part of /health: `degraded` while rows do not reach the database: the database is
@@ -246,10 +173,10 @@ class LedgerWriter:
         failure (until a spool write or a replay succeeds): with the database down, rows beyond the queue's
         bound are then lost (`lost` counts them since start; `quarantined` is the quarantine file's rows)."""
         spool_rows = self.spool_rows
-        degraded = not self._db_up or spool_rows > 0 or len(self._queue) >= self.max_queue
-        return {"status": "degraded" if degraded else "ok", "database": self._db_up, "queue": len(self._queue),
+        degraded = not self._db.up or spool_rows > 0 or len(self._queue) >= self.max_queue
+        return {"status": "degraded" if degraded else "ok", "database": self._db.up, "queue": len(self._queue),
                 "spool_rows": spool_rows, "spool_age_s": round(self.spool_age_s, 1),
-                "spool_error": self._spool_error, "quarantined": self.quarantine.rows, "lost": self.stats.lost}
+                "spool_error": self.spool.error, "quarantined": self.quarantine.rows, "lost": self.stats.lost}
 
     async def start(self) -> None:
         """Connect lazily and start the background task; a spool left by a previous process replays first.
@@ -261,9 +188,9 @@ class LedgerWriter:
             return
         try:
             self.spool_path.parent.mkdir(parents=True, exist_ok=True)
-            self._take_spool_lock()
+            self.spool.take_lock()
         except OSError as exc:
-            self._spool_failed(exc, "cannot lock the spool; it will be retried when rows need it")
+            self.spool.failed(exc, "cannot lock the spool; it will be retried when rows need it")
         await asyncio.to_thread(self._count_existing)
         engine_kwargs: dict[str, Any] = {}
         if async_url(self.database_url).startswith("postgresql+asyncpg"):
@@ -303,7 +230,7 @@ class LedgerWriter:
             fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._waiters.append((target, fut))
             await asyncio.wait({fut, self._task}, return_when=asyncio.FIRST_COMPLETED)
-        await self._sync_spool()
+        await self.spool.sync()
 
     async def close(self, timeout_s: float = 5.0) -> None:
         """Graceful shutdown: write (or spool) everything queued, try a last replay, release the DB.
@@ -334,45 +261,17 @@ class LedgerWriter:
         if self._queue:
             await self._spool_queue_directly(timeout_s=max(1.0, deadline - loop.time()))
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._sync_spool(), max(0.5, deadline - loop.time()))
+            await asyncio.wait_for(self.spool.sync(), max(0.5, deadline - loop.time()))
         self._closed = True
-        with self._spool_lock:
-            if self._spool_fd is not None:
-                os.close(self._spool_fd)
-                self._spool_fd = None
+        self.spool.close()
         if self._engine is not None:
             with contextlib.suppress(Exception, TimeoutError):
                 await asyncio.wait_for(self._engine.dispose(), max(0.5, min(2.0, deadline - loop.time())))
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)  # releases the flock
-            self._lock_fd = None
-
-    def _take_spool_lock(self) -> None:
-        """One writer per spool file: a second process renaming the spool under us would lose rows."""
-        if self._lock_fd is not None:
-            return
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise RuntimeError(
-                f"ledger spool {self.spool_path} is in use by another writer; give each gateway process "
-                f"its own spool path") from None
-        self._lock_fd = fd
 
     def _count_existing(self) -> None:
         """Depth and age of spools and the quarantine left by an earlier process (blocking: run in a thread)."""
         self.quarantine.count_existing()
-        for path in (self.replay_path, self.spool_path):
-            rows = _count_lines(path)
-            if not rows:
-                continue
-            since = _first_row_time(path)
-            if path == self.replay_path:
-                self._replay_rows, self._replay_since = rows, since
-            else:
-                self._spool_rows, self._spool_since = rows, since
+        self.spool.count_existing()
 
     # ---- background loop ----------------------------------------------------------------------
 
@@ -388,7 +287,7 @@ class LedgerWriter:
         # Last chance to leave an empty spool behind: ignore the backoff timer once.
         await self._guarded(self._replay_if_due(force=True))
         self._stuck = False
-        while self._queue and self._db_up and not self._stuck:  # the database is back for the rows the spool refused
+        while self._queue and self._db.up and not self._stuck:  # the database is back for the rows the spool refused
             await self._guarded(self._handle_batch(await self._next_batch()))
 
     async def _guarded(self, step: Awaitable[None]) -> None:
@@ -407,10 +306,10 @@ class LedgerWriter:
             await asyncio.sleep(0.1)
 
     def _idle_timeout(self) -> float | None:
-        if not self._spool_pending and self._db_up:
+        if not self.spool.pending and self._db.up:
             return None
-        if not self._db_up:
-            return max(0.01, self._retry_at - time.monotonic())
+        if not self._db.up:
+            return max(0.01, self._db.retry_at - time.monotonic())
         return 1.0  # overflow rows are waiting in the spool; replay them when idle
 
     async def _next_batch(self) -> list[LedgerRecord]:
@@ -440,12 +339,12 @@ class LedgerWriter:
         self._inflight = None  # not in a finally: if close() cancels us, it spools what is in flight
 
     async def _write_or_spool(self, batch: list[LedgerRecord]) -> None:
-        if not self._db_up and self._flush_target > self._flush_probed:
+        if not self._db.up and self._flush_target > self._flush_probed:
             # Someone waits on flush(): ask the database now rather than at the backoff's end, so a blip
             # that has passed (or a start-up probe that lost a race) does not send a flush to the spool.
             self._flush_probed = self._flush_target
             await self._probe()
-        if self._db_up:
+        if self._db.up:
             rows = [r.to_row() for r in batch]
             try:
                 inserted = await self._insert_rows(rows)
@@ -480,20 +379,8 @@ class LedgerWriter:
         self._waiters = still
 
     def _mark_down(self, exc: BaseException) -> None:
-        if self._db_up:
+        if self._db.mark_down(exc, self.spool_path):
             self.stats.outages += 1
-            log.warning("ledger database unavailable, spooling rows to %s: %s", self.spool_path, exc)
-            self._backoff = self.retry_initial_s
-        else:
-            self._backoff = min(self._backoff * 2, self.retry_max_s)
-        self._db_up = False
-        self._retry_at = time.monotonic() + self._backoff
-
-    def _mark_up(self) -> None:
-        if not self._db_up:
-            log.warning("ledger database is back")
-        self._db_up = True
-        self._backoff = self.retry_initial_s
 
     # ---- database -----------------------------------------------------------------------------
 
@@ -553,45 +440,10 @@ class LedgerWriter:
         except Exception as exc:  # noqa: BLE001 - any failure means "still down"
             self._mark_down(_Outage(f"probe failed: {type(exc).__name__}: {_first_line(exc)}"))
             return False
-        self._mark_up()
+        self._db.mark_up()
         return True
 
     # ---- spool --------------------------------------------------------------------------------
-
-    def _spool_failed(self, exc: BaseException, what: str) -> None:
-        self._spool_error = f"{type(exc).__name__}: {exc}"[:300]
-        self._spool_log(logging.ERROR, "ledger spool %s: %s (%s)", self.spool_path, self._spool_error, what)
-
-    def _spool_write(self, data: bytes, *, fsync: bool, keep_open: bool = True) -> None:
-        """Append whole lines; on a failure (disk full, read-only) the file is cut back to where it was,
-        so a torn line can never swallow the next row appended."""
-        with self._spool_lock:
-            self._take_spool_lock()
-            if self._spool_fd is None:
-                self.spool_path.parent.mkdir(parents=True, exist_ok=True)
-                self._spool_fd = os.open(self.spool_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            fd = self._spool_fd
-            size = os.fstat(fd).st_size
-            try:
-                view = memoryview(data)
-                while view:  # O_APPEND: each write lands at the end
-                    view = view[os.write(fd, view):]
-                if fsync:
-                    os.fsync(fd)
-            except OSError:
-                with contextlib.suppress(OSError):
-                    os.ftruncate(fd, size)
-                raise
-            finally:
-                if not keep_open:
-                    os.close(fd)
-                    self._spool_fd = None
-            self._spool_pending = True
-            rows = data.count(b"\n")
-            if rows and not self._spool_rows:
-                self._spool_since = time.time()
-            self._spool_rows += rows
-        self._spool_error = None
 
     def _spool_now(self, record: LedgerRecord, reason: str) -> bool:
         """Synchronous spool append for rows that cannot be queued (fsync'd later by flush/close)."""
@@ -602,11 +454,11 @@ class LedgerWriter:
             return True
         try:
             # after close(): no background task will fsync, so do it now
-            self._spool_write(line.encode(), fsync=self._closed, keep_open=not self._closed)
+            self.spool.write(line.encode(), fsync=self._closed, keep_open=not self._closed)
         except Exception as exc:  # noqa: BLE001 - never raise into the request path
-            self._spool_failed(exc, "a row that did not fit the in-memory queue could not be spooled")
+            self.spool.failed(exc, "a row that did not fit the in-memory queue could not be spooled")
             return False
-        self._spool_unsynced = not self._closed
+        self.spool.unsynced = not self._closed
         self.stats.spooled += 1
         ROWS_SPOOLED.labels(reason).inc()
         return True
@@ -632,9 +484,9 @@ class LedgerWriter:
         try:
             data = await asyncio.to_thread(self._serialize, batch)
             self._mark_handled(n - len(batch))
-            await asyncio.to_thread(self._spool_write, data, fsync=True)
+            await asyncio.to_thread(self.spool.write, data, fsync=True)
         except Exception as exc:  # noqa: BLE001 - the caller keeps the rows in memory
-            self._spool_failed(exc, f"{len(batch)} rows kept in memory")
+            self.spool.failed(exc, f"{len(batch)} rows kept in memory")
             return False
         self.stats.spooled += len(batch)
         ROWS_SPOOLED.labels(reason).inc(len(batch))
@@ -654,119 +506,33 @@ class LedgerWriter:
             self._lose(batch, "shutting down with the database and the spool both unavailable")
         self._mark_handled(len(batch))
 
-    async def _sync_spool(self) -> None:
-        if not self._spool_unsynced:
-            return
-        self._spool_unsynced = False
-
-        def sync() -> None:
-            with self._spool_lock:
-                if self._spool_fd is not None:
-                    os.fsync(self._spool_fd)
-
-        try:
-            await asyncio.to_thread(sync)
-        except OSError as exc:
-            # Rows appended without fsync (queue overflow) may not have reached the disk; they cannot be
-            # told apart any more. Say so as loudly as a loss.
-            log.critical("ledger spool %s could not be fsync'd (%s): rows appended since the last fsync may be "
-                         "lost", self.spool_path, exc)
-            self._spool_failed(exc, "fsync failed")
-
-    def _rotate(self) -> Path | None:
-        """The file to replay next: a leftover .replaying file, else the spool renamed to it."""
-        with self._spool_lock:
-            if self.replay_path.exists():
-                return self.replay_path
-            if not self.spool_path.exists():
-                self._spool_pending = False
-                self._spool_rows, self._spool_since = 0, None
-                return None
-            self._take_spool_lock()  # another writer may own these files
-            if self._spool_fd is not None:
-                os.fsync(self._spool_fd)
-                os.close(self._spool_fd)
-                self._spool_fd = None
-            if self.spool_path.stat().st_size == 0:
-                self.spool_path.unlink()
-                self._spool_pending = False
-                self._spool_rows, self._spool_since = 0, None
-                return None
-            os.replace(self.spool_path, self.replay_path)
-            self._replay_rows, self._replay_since, self._replay_done = self._spool_rows, self._spool_since, 0
-            self._spool_rows, self._spool_since = 0, None
-            _fsync_dir(self.spool_path.parent)
-            return self.replay_path
-
-    def _read_chunk(self, f: TextIO, max_rows: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        """Up to max_rows rows from an open spool file ([] at the end), and the lines that could not be read."""
-        rows: list[dict[str, Any]] = []
-        bad: list[dict[str, Any]] = []
-        while len(rows) < max_rows:
-            line = f.readline()
-            if not line:
-                break
-            if not line.strip():
-                continue
-            try:
-                rows.append(self.record_type.from_json(json.loads(line)).to_row())
-            except Exception as exc:  # noqa: BLE001 - e.g. a line torn by a crash mid-write
-                bad.append({"error": f"unreadable spool line: {exc}", "line": line})
-        return rows, bad
-
     async def _replay_if_due(self, *, force: bool = False, probe: bool = False) -> None:
-        if not self._db_up and not force and time.monotonic() < self._retry_at:
+        if not force and self._db.waiting():
             return
-        if not self._spool_pending:
-            if not self._db_up or probe:  # probe: learn at start whether the database answers
+        if not self.spool.pending:
+            if not self._db.up or probe:  # probe: learn at start whether the database answers
                 await self._probe()
             return
-        if self._db_up and not force and (len(self._queue) >= self.batch_size or time.monotonic() < self._replay_at):
+        if self._db.up and not force and (len(self._queue) >= self.batch_size
+                                          or time.monotonic() < self.spool.replay_at):
             return  # busy: live rows first, the spool when there is slack (or its disk fails: later)
         try:
-            await self._replay()
+            await self.spool.replay(self._insert_replayed, self._set_aside, self.batch_size)
         except _Outage as exc:
             self._mark_down(exc)
         except OSError as exc:  # the spool's files: unreadable, or the lock not ours; try again later
-            self._spool_failed(exc, "replay postponed")
-            self._replay_at = time.monotonic() + self.retry_max_s
+            self.spool.failed(exc, "replay postponed")
+            self.spool.replay_at = time.monotonic() + self._db.retry_max_s
             await self._probe()  # live rows need not wait for the spool's disk
         else:
-            self._mark_up()
+            self._db.mark_up()
 
-    async def _replay(self) -> None:
-        """Replay spool files into the database until none is left (raises _Outage)."""
-        for _ in range(8):  # bounded: overflow may keep refilling the spool under sustained load
-            path = await asyncio.to_thread(self._rotate)
-            if path is None:
-                return
-            total = 0
-            self._replay_done = 0  # a replay cut short by an outage starts the file again
-            # Streamed in batches: a long outage can leave a spool far larger than memory should hold.
-            f = await asyncio.to_thread(open, path, encoding="utf-8", errors="replace")
-            try:
-                while True:
-                    chunk, bad = await asyncio.to_thread(self._read_chunk, f, self.batch_size)
-                    if bad:
-                        await asyncio.to_thread(self._set_aside, bad, "unreadable spool line")
-                    if not chunk:
-                        break
-                    inserted = await self._insert_rows(chunk)
-                    total += len(chunk)
-                    self._replay_done += len(chunk) + len(bad)
-                    self.stats.replayed += inserted
-                    self.stats.duplicates += len(chunk) - inserted
-                    ROWS_WRITTEN.labels("replay").inc(inserted)
-            finally:
-                f.close()
-            await asyncio.to_thread(self._finish_replay, path)
-            log.info("ledger replayed %d spooled row(s) from %s", total, path)
-
-    def _finish_replay(self, path: Path) -> None:
-        path.unlink()
-        self._replay_rows, self._replay_since, self._replay_done = 0, None, 0
-        _fsync_dir(path.parent)
-        self._spool_error = None  # the spool's directory works again
+    async def _insert_replayed(self, rows: list[dict[str, Any]]) -> None:
+        """One chunk of a spool's replay into the database (raises _Outage)."""
+        inserted = await self._insert_rows(rows)
+        self.stats.replayed += inserted
+        self.stats.duplicates += len(rows) - inserted
+        ROWS_WRITTEN.labels("replay").inc(inserted)
 
 
 def _first_line(exc: BaseException) -> str:
