@@ -105,14 +105,37 @@ class TierStats:
 
 
 class HostTier:
-    """Blocks in host memory (pinned for a CUDA pool): one preallocated store, LRU over its slots."""
+    """Blocks in host memory (pinned for a CUDA pool), LRU over slots. The store grows in chunks as blocks arrive,
+    up to `capacity` blocks: a large budget costs nothing until it is used."""
+
+    CHUNK = 64  # blocks per allocation
 
     def __init__(self, capacity: int, block_shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> None:
         self.capacity = capacity
-        self.store = torch.zeros((capacity, *block_shape), dtype=dtype, pin_memory=pin and capacity > 0)
-        self.free_slots = list(range(capacity - 1, -1, -1))
+        self.block_shape = block_shape
+        self.dtype = dtype
+        self.pin = pin
+        self.chunks: list[torch.Tensor] = []
+        self.allocated = 0  # slots [0, allocated) exist
+        self.free_slots: list[int] = []
         self.index: OrderedDict[bytes, TierBlock] = OrderedDict()  # oldest first
         self.in_flight: set[int] = set()  # slots taken for a restore, freed at the flush that copies them
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_slots) + self.capacity - self.allocated
+
+    def take_slot(self) -> int:
+        if not self.free_slots:
+            n = min(self.CHUNK, self.capacity - self.allocated)
+            assert n > 0, "host tier full"
+            self.chunks.append(torch.empty((n, *self.block_shape), dtype=self.dtype, pin_memory=self.pin))
+            self.free_slots = list(range(self.allocated + n - 1, self.allocated - 1, -1))
+            self.allocated += n
+        return self.free_slots.pop()
+
+    def view(self, slot: int) -> torch.Tensor:
+        return self.chunks[slot // self.CHUNK][slot % self.CHUNK]
 
 
 class DiskTier:
@@ -406,10 +429,10 @@ class KVTiers:
         overflow = demotions[:len(demotions) - len(keep)]
         if keep:
             self._make_host_room(len(keep))
-            slots = [self.host.free_slots.pop() for _ in keep]
-            src = gathered[len(overflow):]
-            self._copy(self.host.store, torch.tensor(slots, dtype=torch.int64), src)
-            for slot, (_, b) in zip(slots, keep):
+            slots = [self.host.take_slot() for _ in keep]
+            src = self._to_host(gathered[len(overflow):])
+            for i, (slot, (_, b)) in enumerate(zip(slots, keep)):
+                self.host.view(slot).copy_(src[i])
                 b.slot = slot
                 self.host.index[b.key] = b
             self.stats["host"].bytes_in += len(keep) * self.bytes_per_block
@@ -420,9 +443,9 @@ class KVTiers:
 
     def _make_host_room(self, n: int) -> None:
         """Free n host slots, moving the least recently used blocks to disk (or dropping them)."""
-        while len(self.host.free_slots) < n:
+        while self.host.num_free < n:
             _, b = self.host.index.popitem(last=False)
-            self._to_disk(b, self.host.store[b.slot])
+            self._to_disk(b, self.host.view(b.slot))
             self.host.free_slots.append(b.slot)
 
     def _to_disk(self, b: TierBlock, data: torch.Tensor) -> None:
@@ -431,15 +454,17 @@ class KVTiers:
         else:
             self.dropped += 1
 
-    def _copy(self, dst: torch.Tensor, idx: torch.Tensor, src: torch.Tensor) -> None:
+    def _to_host(self, src: torch.Tensor) -> torch.Tensor:
+        """The gathered blocks in host memory: as they are on a CPU pool; on CUDA one device -> pinned copy on the
+        side stream (after the compute that wrote them)."""
         if self.stream is None:
-            dst.index_copy_(0, idx, src)
-            return
-        # CUDA: device -> pinned host on the side stream, waited for before the host slots are read.
+            return src
         self.stream.wait_stream(torch.cuda.current_stream(self.kv_cache.device))
         with torch.cuda.stream(self.stream):
-            dst.index_copy_(0, idx, src.to("cpu", non_blocking=True))
+            out = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+            out.copy_(src, non_blocking=True)
         self.stream.synchronize()
+        return out
 
     def _restore(self, restores: list[tuple[int, TierBlock]]) -> None:
         t0 = time.perf_counter()
@@ -447,8 +472,7 @@ class KVTiers:
         disk = [(i, b) for i, b in restores if b.tier == "disk"]
         parts, dst = [], []
         if host:
-            slots = torch.tensor([b.slot for _, b in host], dtype=torch.int64)
-            parts.append(self.host.store.index_select(0, slots))
+            parts.append(torch.stack([self.host.view(b.slot) for _, b in host]))
             dst += [i for i, _ in host]
         if disk:
             parts.append(torch.stack([b.data for _, b in disk]))
@@ -509,7 +533,7 @@ class KVTiers:
         h = self.host
         held = [b.slot for b in h.index.values()]
         slots = held + h.free_slots + list(h.in_flight)
-        assert sorted(slots) == list(range(h.capacity)), "host slots lost or double-booked"
+        assert sorted(slots) == list(range(h.allocated)), "host slots lost or double-booked"
         assert not self.pending.demotions and not self.pending.restores, "copies queued but not flushed"
         disk_keys = set(self.disk.index) if self.disk is not None else set()
         if self.disk is not None:
