@@ -26,6 +26,7 @@ from pathlib import Path
 
 from bench import store
 from bench.fixtures import SMOLLM2_MODEL
+from bench.machine_info import cpu_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -128,13 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"c={c:>3}: {pt['output_tok_s']:7.1f} tok/s  TTFT p50 {pt['ttft_p50_ms']:7.0f} ms  "
             f"p95 {pt['ttft_p95_ms']:7.0f} ms  time in system {pt['mean_seconds_in_system']:6.2f} s  "
             f"({n} requests, {pt['seconds']:.1f} s)")
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    res = {"meta": {"model": MODEL, "path": str(path), "device": "cpu", "dtype": "float32", "cpu": cpu,
+    res = {"meta": {"model": MODEL, "path": str(path), "device": "cpu", "dtype": "float32", "cpu": cpu_model(),
                     "torch": torch.__version__, "python": platform.python_version(),
                     "threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
                     "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens, "greedy": True,

@@ -29,7 +29,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import random
 import shutil
 import statistics
@@ -41,7 +40,7 @@ import torch
 
 from bench import store
 from bench.fixtures import SHAPES, checkpoint_bytes, default_work_dir, write_random_checkpoint
-from bench.machine_info import gpu_slug
+from bench.machine_info import cpu_model, gpu_slug
 from bench.roofline import copy_bandwidth, peak_bandwidth
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -377,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
         name = torch.cuda.get_device_name(device)
     else:
-        name = f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+        name = f"cpu ({cpu_model()}, {torch.get_num_threads()} threads)"
     peak = peak_bandwidth(name) if device.type == "cuda" else None
     # Progress goes to --out (or a temporary file) after every format; the run is filed at the end.
     out = Path(args.out) if args.out else Path(tempfile.gettempdir()) / f"switchyard-engine-decode-{os.getpid()}"

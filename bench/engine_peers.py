@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import platform
 import re
 import signal
 import statistics
@@ -54,6 +53,7 @@ import time
 from pathlib import Path
 
 from bench import peers, store
+from bench.machine_info import cpu_model
 from bench.roofline import read_bandwidth
 from hosted.config import DEFAULT_DECODE_BURST_MS
 
@@ -388,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         rows += [measured_row(engine, precision) for engine in engines]
         if args.our_bf16_kv and "ours" in engines and precision != "bf16":
             rows.append(measured_row("ours", precision + KV_BF16_SUFFIX))
-    res = {"meta": {"cpu": platform.processor() or _cpu_name(), "threads": args.threads, "runs": args.runs,
+    res = {"meta": {"cpu": cpu_model(), "threads": args.threads, "runs": args.runs,
                     "batch1_prompt_tokens": args.batch1_prompt_tokens, "batch1_new_tokens": args.batch1_new_tokens,
                     "concurrency": args.concurrency, "concurrent_requests": args.concurrent_requests,
                     "concurrent_prompt_tokens": args.concurrent_prompt_tokens,
@@ -403,12 +403,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _cpu_name() -> str:
-    try:
-        return next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                    if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.machine()
 
 
 if __name__ == "__main__":

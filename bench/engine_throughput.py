@@ -41,6 +41,7 @@ import torch
 
 from bench import store
 from bench.fixtures import random_smollm
+from bench.machine_info import cpu_model
 from bench.roofline import copy_bandwidth
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -334,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {"config": {"requests": n_req, "prompt_len": [lo, hi], "output_tokens": new_tokens,
                                 "layers": layers, "threads": args.threads, "dtype": "float32", "device": "cpu",
                                 "quick": q, "hf_requests": hf_requests, "batch_size": args.batch_size},
-                     "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                     "machine": {"platform": platform.platform(), "processor": cpu_model(),
                                  "cpu_count": os.cpu_count(), "torch": torch.__version__,
                                  "load_avg_at_start": os.getloadavg()}}
     with tempfile.TemporaryDirectory(prefix="sy-bench-") as tmp:

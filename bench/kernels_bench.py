@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -28,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from bench import store
-from bench.machine_info import gpu_slug
+from bench.machine_info import cpu_model, gpu_slug
 from bench.roofline import peak_bandwidth
 from kernels import ops
 
@@ -172,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     meta = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor()})",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({cpu_model()})",
         "torch": torch.__version__, "triton": triton.__version__, "dtype": str(dtype)[6:],
         "peak_gbps": peak / 1e9 if peak else None, "cpu_smoke": args.cpu_smoke,
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),

@@ -38,6 +38,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from bench import store
+from bench.machine_info import cpu_model
 from gateway import db
 from gateway.reports.decision import DecisionInputs, decide
 from gateway.reports.figures import Ledger, Window
@@ -174,17 +175,12 @@ def machine(urls: dict[str, str]) -> dict[str, Any]:
 
     info: dict[str, Any] = {
         "platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
-        "processor": platform.processor() or platform.machine(), "sqlite": sqlite3.sqlite_version,
+        "processor": cpu_model(), "sqlite": sqlite3.sqlite_version,
         "sqlalchemy": sa.__version__, "loadavg_start": os.getloadavg(),
     }
     with contextlib.suppress(OSError):
         mem = Path("/proc/meminfo").read_text().split("\n")[0]
         info["memory"] = mem.split(":", 1)[1].strip()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                info["processor"] = line.split(":", 1)[1].strip()
-                break
     return info
 
 
