@@ -14,12 +14,12 @@ Busy time per engine type (docs/engines.md says the same, with the error of each
     spent in forward passes (SGLang >= 0.5 with --enable-metrics). Older builds without it: as vLLM, from
     `sglang:e2e_request_latency_seconds` minus `sglang:queue_time_seconds` and `sglang:num_running_reqs`.
   * vllm: vLLM (0.32) counts no busy time. Each finished request reports its time in the engine
-    (`vllm:request_inference_time_seconds`, scheduled -> last token); their sum over an interval is the integral
-    of the number of running requests, which overcounts busy time by the batch's concurrency. The overlap factor
-    (wall time covered by requests / their summed time) comes from the spans of this gateway's recent requests to
-    the engine (the last minute): exactly 1 when they ran one at a time, 1/4 when four always ran together. So
-    busy = sum(inference time) x overlap factor. Time in the engine that no request of ours accounts for (another
-    client's) uses the overlap seen in `vllm:num_requests_running`, sampled at every scrape.
+    (`vllm:request_inference_time_seconds`, scheduled -> last token), but under continuous batching those
+    times overlap: four requests decoding together for a second report four seconds. So the busy time is the
+    wall time in which at least one request of this gateway was on the engine (the union of their spans, as
+    the gateway saw them, each span adding only what was not covered yet), in the engine's own seconds: scaled
+    by the engine's reported time in it over our spans' summed length (the last minute; at most 1, since a
+    span also holds the trip to the engine). One request at a time, that is exactly vLLM's inference time.
 
 Ledger rows wait for this figure (settle after the next scrape): a request to such an engine is answered at
 once, its row is priced with the learned per-token rate (cost_note device_seconds_estimated) for the answer's
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -44,7 +43,7 @@ FOREIGN_ENGINE_TYPES = ("vllm", "sglang")
 OVERLAP_WINDOW_S = 60.0  # the overlap factor's and the utilisation's time constant
 IDLE_FORGET_S = 10.0  # busy time no request of ours claimed within this long, with the engine idle, was not ours
 MAX_WAIT_S = 10.0  # a row waits at most this long for a scrape, then keeps its estimate
-MAX_SPANS = 4096  # recent request spans kept for the overlap factor
+COVERAGE_KEEP_S = 3600.0  # how far back a request's span may start and still be found covered
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,18 +148,31 @@ class Pending:
         return max(self.prompt_tokens - cached, 0.0) + self.completion_tokens
 
 
-def overlap_factor(spans: list[tuple[float, float]]) -> float | None:
-    """Wall time covered by the spans / their summed length: 1 when none overlap, 1/4 for four run together
-    (None without spans)."""
-    total = sum(max(e - s, 0.0) for s, e in spans)
-    if total <= 0:
-        return None
-    covered, reach = 0.0, -math.inf
-    for s, e in sorted(spans):
-        if e > reach:
-            covered += e - max(s, reach)
-            reach = e
-    return min(covered / total, 1.0)
+class Coverage:
+    """The wall time in which at least one request of ours was on the engine: merged (start, end) intervals of the
+    recent past, to which each settled request's span adds only what was not covered yet."""
+
+    def __init__(self, keep_s: float = COVERAGE_KEEP_S) -> None:
+        self.keep_s = keep_s
+        self.intervals: list[tuple[float, float]] = []  # sorted, disjoint
+
+    def add(self, start: float, end: float) -> float:
+        """Cover [start, end]; returns the seconds that were not covered before."""
+        if end <= start:
+            return 0.0
+        merged: list[tuple[float, float]] = []
+        new = end - start
+        for s, e in self.intervals:
+            if e < start or s > end:
+                merged.append((s, e))
+            else:  # overlaps: its covered part is not new, and it joins the span
+                new -= min(e, end) - max(s, start)
+                start, end = min(s, start), max(e, end)
+        merged.append((start, end))
+        merged.sort()
+        horizon = merged[-1][1] - self.keep_s
+        self.intervals = [iv for iv in merged if iv[1] >= horizon]
+        return max(new, 0.0)
 
 
 @dataclass(slots=True)
@@ -176,12 +188,12 @@ class EngineAttribution:
     unreleased_s: float = 0.0  # busy time measured but not yet passed to the uptime counter
     attributed_s: float = 0.0  # cumulative device-seconds handed to rows (the sum the docs promise)
     unattributed_s: float = 0.0  # busy time no request of ours claimed (another client's, or lost)
-    gauge_running: float = 0.0  # decayed integral of the running gauge (trapezoids between scrapes)
-    gauge_busy: float = 0.0  # decayed integral of "at least one running"
+    engine_s: float = 0.0  # decayed sums of the engine's time in it and of our rows' spans (vLLM's calibration)
+    spans_s: float = 0.0
     util_wall: float = 0.0  # decayed wall time and busy time, for the utilisation rows are charged at
     util_busy: float = 0.0
     pending: list[Pending] = field(default_factory=list)
-    spans: deque[tuple[float, float]] = field(default_factory=deque)  # recent settled rows' (start, end)
+    coverage: Coverage = field(default_factory=Coverage)
 
     def observe(self, scrape: Scrape, mono: float, fetched_at: float | None = None) -> list[tuple[Pending, float]]:
         """Account one successful scrape, answered at `mono` and asked for at `fetched_at`: the rows that ended
@@ -196,13 +208,10 @@ class EngineAttribution:
         ready = [p for p in self.pending if p.finished_at <= fetched_at]
         if ready:
             self.pending = [p for p in self.pending if p.finished_at > fetched_at]
-            self._remember(ready, mono)
-        gauge = self._gauge_overlap(last.running, scrape.running, dt)
         if scrape.busy_s is not None:  # a labelled counter has no sample until first counted: it began at 0
             busy = scrape.busy_s - (last.busy_s or 0.0)
         else:
-            spans = overlap_factor(list(self.spans))
-            busy = (scrape.inference_s - last.inference_s) * (spans if spans is not None else gauge)
+            busy = self._covered_busy(ready, scrape.inference_s - last.inference_s, dt)
         busy = max(busy, 0.0)
         self._release(busy, dt)
         self.pool_s += busy
@@ -211,22 +220,16 @@ class EngineAttribution:
         hit_rate = min(max(hits / queries, 0.0), 1.0) if queries > 0 else 0.0
         return self._attribute(ready, hit_rate, dt)
 
-    def _remember(self, ready: list[Pending], now: float) -> None:
-        """The rows' spans as the gateway saw them, kept OVERLAP_WINDOW_S (at most MAX_SPANS)."""
-        self.spans.extend((p.started_at, p.finished_at) for p in ready)
-        while self.spans and (len(self.spans) > MAX_SPANS or now - self.spans[0][1] > OVERLAP_WINDOW_S):
-            self.spans.popleft()
-
-    def _gauge_overlap(self, before: float | None, now: float | None, dt: float) -> float:
-        """busy time / integral of running requests over the last minute, from the running gauge at each scrape:
-        the fallback for time in the engine no request of ours accounts for."""
+    def _covered_busy(self, ready: list[Pending], engine_s: float, dt: float) -> float:
+        """vLLM: the wall time the ready rows' spans add to the coverage, in the engine's own seconds: scaled by
+        (the engine's reported time in it) / (our spans' length) over the last minute, at most 1 (a span also
+        holds the trip to the engine and tokenization; engine time of other clients' requests is not ours)."""
         decay = math.exp(-dt / OVERLAP_WINDOW_S)
-        if before is not None and now is not None:
-            self.gauge_running = self.gauge_running * decay + (before + now) / 2 * dt
-            self.gauge_busy = self.gauge_busy * decay + ((before > 0) + (now > 0)) / 2 * dt
-        if self.gauge_running <= 0:
-            return 1.0  # nothing seen running yet: as if one at a time
-        return min(max(self.gauge_busy / self.gauge_running, 0.0), 1.0)
+        self.engine_s = self.engine_s * decay + max(engine_s, 0.0)
+        self.spans_s = self.spans_s * decay + sum(max(p.finished_at - p.started_at, 0.0) for p in ready)
+        added = sum(self.coverage.add(p.started_at, p.finished_at) for p in sorted(ready, key=lambda p: p.started_at))
+        scale = min(self.engine_s / self.spans_s, 1.0) if self.spans_s > 0 else 1.0
+        return added * scale
 
     def _release(self, busy: float, dt: float) -> None:
         """Busy time into the cumulative counter engine_uptime reads, at most the interval's wall time at once: a
