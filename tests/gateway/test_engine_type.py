@@ -73,3 +73,24 @@ routes:
 def test_a_foreign_fleet_is_accepted() -> None:
     p = policy("    engine_type: sglang\n    api_bases: [http://127.0.0.1:30000/v1, http://127.0.0.1:30001/v1]")
     assert p.backends["e"].engine_type == "sglang"
+
+
+def test_the_backend_class_follows_engine_type() -> None:
+    import asyncio
+
+    from gateway.backends import build_backend
+    from gateway.backends.engine_backend import EngineBackend
+    from gateway.backends.engines import probe_url
+    from gateway.backends.llamacpp import LlamaCppBackend
+
+    llama = build_backend(policy("    api_base: http://127.0.0.1:8080/v1\n    engine_type: llamacpp").backends["e"])
+    assert isinstance(llama, LlamaCppBackend) and probe_url(llama) == "http://127.0.0.1:8080/health"
+    vllm = build_backend(policy("    api_base: http://127.0.0.1:8000/v1\n    engine_type: vllm").backends["e"])
+    assert type(vllm) is EngineBackend and probe_url(vllm) == "http://127.0.0.1:8000/metrics"
+    fleet = build_backend(policy("    engine_type: llamacpp\n    api_bases: [http://127.0.0.1:8080/v1, "
+                                 "http://127.0.0.1:8081/v1]").backends["e"])
+    try:
+        assert all(isinstance(r.backend, LlamaCppBackend) for r in fleet.replicas)
+        assert len({id(r.backend.clock) for r in fleet.replicas}) == 2  # one clock per server
+    finally:
+        asyncio.run(fleet.aclose())
