@@ -247,18 +247,20 @@ class BlockManager:
         seq.num_computed_tokens = 0
 
     def _take_block(self) -> int:
-        if self._free:
-            block_id = self._free.popleft()
-        else:
-            block_id, _ = self._evictable.popitem(last=False)  # least recently used cached block
-            block = self.blocks[block_id]
-            if self.tiers is not None:
-                # Copied out at the engine's next flush, before anything writes this block again.
-                self.tiers.queue_demotion(block_id, block.key, block.parent_key, block.token_ids)
-            self._uncache(block)
+        block_id = self._free.popleft() if self._free else self._evict_lru()
         block = self.blocks[block_id]
         block.ref_count = 1
         block.generation += 1
+        return block_id
+
+    def _evict_lru(self) -> int:
+        """Take the least recently used cached block out of the prefix cache (demoted when tiers are attached)."""
+        block_id, _ = self._evictable.popitem(last=False)
+        block = self.blocks[block_id]
+        if self.tiers is not None:
+            # Copied out at the engine's next flush, before anything writes this block again.
+            self.tiers.queue_demotion(block_id, block.key, block.parent_key, block.token_ids)
+        self._uncache(block)
         return block_id
 
     def _uncache(self, block: Block) -> None:
@@ -275,6 +277,14 @@ class BlockManager:
             block_id, _ = self._evictable.popitem(last=False)
             self._uncache(self.blocks[block_id])
             self._free.append(block_id)
+
+    def evict_cached(self) -> int:
+        """Move every unreferenced cached block out of the device pool: demoted into the tiers when attached (the
+        engine's next flush copies them), else forgotten. Returns how many blocks left the pool."""
+        n = len(self._evictable)
+        while self._evictable:
+            self._free.append(self._evict_lru())
+        return n
 
     def check_all_free(self) -> None:
         """Assert the pool holds no references (tests call this after every engine is drained)."""

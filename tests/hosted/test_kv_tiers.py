@@ -93,6 +93,20 @@ def test_disk_tier_restores_when_host_is_full(tiny_model_dirs, make_engine, refe
     assert len(list((tmp_path / "kv").glob("*" + SUFFIX))) == s["disk"]["blocks"]
 
 
+def test_evict_cached_demotes_every_unreferenced_block(tiny_model_dirs, make_engine, reference):
+    engine = _engine(make_engine, tiny_model_dirs["llama"], kv_host_gb=_gb(64))
+    history = _history(10)
+    first, _ = _final(engine, "turn1", history)
+    cached = engine.block_manager.num_cached_blocks
+    assert engine.block_manager.evict_cached() == cached == 8
+    engine.kv_tiers.flush()
+    assert engine.block_manager.num_cached_blocks == 0 and engine.stats().kv_tiers["host"]["blocks"] == 8
+    engine.block_manager.check_accounting()
+    returning = history + first + [17]
+    got, out = _final(engine, "turn2", returning)
+    assert got == reference(returning) and out.num_restored_host_tokens == 32
+
+
 def test_tiering_off_recomputes(tiny_model_dirs, make_engine, reference):
     engine = _engine(make_engine, tiny_model_dirs["llama"])
     out = _conversation(engine, reference, _history(3))
