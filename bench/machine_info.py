@@ -4,8 +4,9 @@ from __future__ import annotations
 import os
 import platform
 import re
-import socket
 from pathlib import Path
+
+from gateway.listen_address import free_port  # noqa: F401 - the one, re-exported for the benchmarks
 
 # SWITCHYARD_BENCH_MACHINE names the machine when the CPU does not tell it apart (two hosts of one CPU type).
 MACHINE_ENV = "SWITCHYARD_BENCH_MACHINE"
@@ -68,7 +69,3 @@ def machine() -> dict:
             "slug": machine_slug()}
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

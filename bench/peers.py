@@ -82,7 +82,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -94,6 +93,8 @@ from pathlib import Path
 from typing import ClassVar, Self
 
 import httpx
+
+from gateway.listen_address import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS_DIR = ROOT / "bench" / ".peers"
@@ -367,10 +368,6 @@ def export_hf_safetensors(gguf_path: str | Path | None = None, out_dir: str | Pa
 # Servers
 # ----------------------------------------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Server(contextlib.AbstractContextManager):

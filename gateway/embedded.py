@@ -12,7 +12,6 @@ import contextlib
 import ctypes
 import logging
 import signal
-import socket
 import sys
 import time
 from collections import deque
@@ -24,6 +23,7 @@ from typing import Literal
 import httpx
 
 from gateway import engine_args, metrics, settings
+from gateway.listen_address import free_port
 from gateway.policy import DEFAULT_ENGINE_MODEL_PATH, PACKAGE_PREFIX, BackendSpec, Policy
 from gateway.tasks import cancel_and_wait
 
@@ -37,12 +37,6 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
         pass
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def resolve_model_path(path: str) -> Path | str:

@@ -9,6 +9,15 @@ import ipaddress
 import re
 import socket
 
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the one helper tests, benchmarks and embedded engines
+    use)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 _HOSTNAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
 
 

@@ -8,18 +8,14 @@ import subprocess
 import time
 from typing import Self
 
+from gateway.listen_address import free_port
+
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class RedisServer:
     def __init__(self, port: int | None = None) -> None:
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.process: subprocess.Popen | None = None
 
     @property

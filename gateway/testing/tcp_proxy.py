@@ -14,11 +14,13 @@ import socket
 import struct
 import threading
 
+from gateway.listen_address import free_port
+
 
 class TcpProxy:
     def __init__(self, target_port: int, port: int = 0, target_host: str = "127.0.0.1") -> None:
         self.target = (target_host, target_port)
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self._listener: socket.socket | None = None
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
@@ -112,7 +114,3 @@ def _reset(sock: socket.socket) -> None:
         sock.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -19,6 +18,7 @@ import pytest
 import uvicorn
 
 from gateway.app import GatewayConfig, create_app
+from gateway.listen_address import free_port  # the one; e2e files import it from here
 
 MASTER_KEY = "sk-test-master"
 
@@ -37,12 +37,6 @@ routes:
     strategy: fixed
     backend: eng
 """
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

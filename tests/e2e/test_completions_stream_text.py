@@ -5,25 +5,18 @@ from __future__ import annotations
 import openai
 
 from tests.e2e.conftest import MASTER_KEY, run_gateway
+from tests.e2e.policy_builder import engine, litellm, policy
 
-POLICY = """
-backends:
-  api:
-    kind: litellm
-    model: openai/gpt-3.5-turbo-instruct
-    api_base: "{standin}"
-    api_key_env: STANDIN_API_KEY
-    input_usd_per_mtok: 1.5
-    output_usd_per_mtok: 2
-  eng: {{kind: engine, model: e, api_base: "{standin}", gpu_hour_usd: 1}}
-routes:
-  via-litellm: {{backend: api}}
-  via-engine: {{backend: eng}}
-"""
+
+def policy_text(standin: str) -> str:
+    return policy(backends={"api": litellm(standin, model="openai/gpt-3.5-turbo-instruct", input_usd_per_mtok=1.5,
+                                           output_usd_per_mtok=2),
+                            "eng": engine(standin, model="e", gpu_hour_usd=1)},
+                  routes={"via-litellm": {"backend": "api"}, "via-engine": {"backend": "eng"}})
 
 
 def test_streamed_completion_texts_join(standin, tmp_path) -> None:
-    with run_gateway(POLICY.format(standin=standin), tmp_path) as gateway:
+    with run_gateway(policy_text(standin), tmp_path) as gateway:
         client = openai.OpenAI(base_url=gateway.base_url, api_key=MASTER_KEY, max_retries=0)
         for model in ("via-litellm", "via-engine"):
             chunks = list(client.completions.create(model=model, prompt="hello there", max_tokens=5, stream=True))

@@ -8,28 +8,19 @@ import pytest
 
 from gateway.keys import create_key
 from tests.e2e.conftest import ledger_rows, run_gateway
+from tests.e2e.policy_builder import fixed, litellm, policy
+
 
 # Every request costs exactly $0.001: 10 prompt words at $10/Mtok + 10 completion tokens at $90/Mtok.
-POLICY = """
-backends:
-  api:
-    kind: litellm
-    model: openai/gpt-4o-mini
-    api_base: {standin}
-    api_key_env: STANDIN_API_KEY
-    input_usd_per_mtok: 10
-    output_usd_per_mtok: 90
-routes:
-  priced:
-    strategy: fixed
-    backend: api
-"""
+def policy_text(standin: str) -> str:
+    return policy(backends={"api": litellm(standin, input_usd_per_mtok=10, output_usd_per_mtok=90)},
+                  routes={"priced": fixed("api")})
 PROMPT = "one two three four five six seven eight nine ten"
 
 
 @pytest.fixture
 def gateway(standin, tmp_path):
-    with run_gateway(POLICY.format(standin=standin), tmp_path) as running:
+    with run_gateway(policy_text(standin), tmp_path) as running:
         yield running
 
 

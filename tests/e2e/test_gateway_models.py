@@ -5,18 +5,16 @@ import openai
 import pytest
 
 from tests.e2e.conftest import MASTER_KEY, run_gateway
+from tests.e2e.policy_builder import litellm, policy
 
-POLICY = """
-backends:
-  api: {{kind: litellm, model: openai/gpt-4o-mini, api_base: "{standin}", api_key_env: STANDIN_API_KEY}}
-routes:
-  chat-mini: {{backend: api}}
-  team/assistant: {{backend: api}}
-"""
+
+def policy_text(standin: str) -> str:
+    return policy(backends={"api": litellm(standin)}, routes={"chat-mini": {"backend": "api"},
+                                                              "team/assistant": {"backend": "api"}})
 
 
 def test_models_retrieve(standin, tmp_path) -> None:
-    with run_gateway(POLICY.format(standin=standin), tmp_path) as gateway:
+    with run_gateway(policy_text(standin), tmp_path) as gateway:
         client = openai.OpenAI(base_url=gateway.base_url, api_key=MASTER_KEY, max_retries=0)
         listed = {m.id: m for m in client.models.list()}
         for name in ("chat-mini", "team/assistant"):  # a route name may hold a slash

@@ -9,26 +9,17 @@ import pytest
 
 from gateway.testing.standin import standin_control, standin_stats
 from tests.e2e.conftest import MASTER_KEY, ledger_rows, run_gateway
+from tests.e2e.policy_builder import engine, fixed, policy
 
-POLICY = """
-backends:
-  eng:
-    kind: engine
-    model: demo-model
-    api_base: {standin}
-    gpu_hour_usd: 3.6
-    timeout_s: {timeout}
-    max_retries: 0
-routes:
-  local:
-    strategy: fixed
-    backend: eng
-"""
+
+def policy_text(standin: str, timeout: float) -> str:
+    return policy(backends={"eng": engine(standin, gpu_hour_usd=3.6, timeout_s=timeout, max_retries=0)},
+                  routes={"local": fixed("eng")})
 
 
 @pytest.fixture
 def gateway(standin, tmp_path):
-    with run_gateway(POLICY.format(standin=standin, timeout=1.0), tmp_path) as running:
+    with run_gateway(policy_text(standin, 1.0), tmp_path) as running:
         yield running
 
 

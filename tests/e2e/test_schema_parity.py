@@ -21,25 +21,19 @@ from hosted.engine import EngineConfig, LLMEngine
 from hosted.server import ServerState, build_app
 from hosted.tokenizer import Tokenizer
 from tests.e2e.conftest import MASTER_KEY, free_port, run_gateway
+from tests.e2e.policy_builder import engine as engine_backend
+from tests.e2e.policy_builder import fixed, policy
 from tests.hosted.serving_helpers import build_tiny_chat_model, parse_metrics
 
 ENGINE_MODEL = "tiny"
-POLICY = """
-backends:
-  eng:
-    kind: engine
-    model: tiny
-    api_base: {engine}/v1
-    gpu_hour_usd: 2.0
-    max_retries: 0
-routes:
-  local:
-    strategy: fixed
-    backend: eng
-"""
 MSG = [{"role": "user", "content": "hello"}]
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 CHAT, COMPLETIONS = "/chat/completions", "/completions"
+
+
+def policy_text(engine_url: str) -> str:
+    eng = engine_backend(f"{engine_url}/v1", model="tiny", gpu_hour_usd=2.0, max_retries=0)
+    return policy(backends={"eng": eng}, routes={"local": fixed("eng")})
 
 
 def chat(**fields) -> tuple[str, dict]:
@@ -131,7 +125,7 @@ def engine(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gateway(engine, tmp_path_factory):
-    with run_gateway(POLICY.format(engine=engine), tmp_path_factory.mktemp("parity-gateway")) as running:
+    with run_gateway(policy_text(engine), tmp_path_factory.mktemp("parity-gateway")) as running:
         yield running.base_url
 
 

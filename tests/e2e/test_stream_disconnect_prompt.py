@@ -18,28 +18,18 @@ import pytest
 from gateway.keys import create_key
 from gateway.testing.standin import standin_control, standin_stats
 from tests.e2e.conftest import MASTER_KEY, ledger_rows, run_gateway
+from tests.e2e.policy_builder import fixed, litellm, policy
 
-POLICY = """
-backends:
-  api:
-    kind: litellm
-    model: openai/gpt-4o-mini
-    api_base: {standin}
-    api_key_env: STANDIN_API_KEY
-    input_usd_per_mtok: 1
-    output_usd_per_mtok: 2
-    max_retries: 0
-routes:
-  chat:
-    strategy: fixed
-    backend: api
-"""
+
+def policy_text(standin: str) -> str:
+    return policy(backends={"api": litellm(standin, input_usd_per_mtok=1, output_usd_per_mtok=2, max_retries=0)},
+                  routes={"chat": fixed("api")})
 LEAVERS = 6
 
 
 @pytest.fixture
 def gateway(standin, tmp_path):
-    with run_gateway(POLICY.format(standin=standin), tmp_path) as running:
+    with run_gateway(policy_text(standin), tmp_path) as running:
         yield running
 
 

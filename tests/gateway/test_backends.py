@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 
 import pytest
 
 from gateway.backends import StreamTally, UpstreamError, Usage, build_backend, usage_from_chunk
 from gateway.backends.base import engine_stats
+from gateway.listen_address import free_port
 from gateway.policy import BackendSpec
 from gateway.testing.standin import run_standin, standin_control, standin_stats
 
@@ -36,10 +36,6 @@ def upstream():
         yield url
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def drain(stream) -> list[dict]:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
+from gateway.listen_address import free_port
+
 CHAT_SPECIAL_TOKENS = [
     "<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
     "<|im_start|>", "<|im_end|>", "<s>", "</s>", "<unk>", "<pad>",
@@ -157,12 +159,6 @@ def build_tiny_chat_model(directory: Path, *, template: str = "llama3", seed: in
     return directory
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class EngineProcess:

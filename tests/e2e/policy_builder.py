@@ -1,0 +1,34 @@
+"""Test policies built from parts (a backend, a route) instead of YAML written out in every e2e file.
+
+    policy(backends={"eng": engine(standin, gpu_hour_usd=3.6)}, routes={"local": fixed("eng")})
+
+gives the YAML text `run_gateway` takes; any other policy key (`budgets:`, a route's `fallbacks`, a backend's
+`max_retries`) is one more keyword. The gateway parses it as any policy file: nothing here checks it.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+STANDIN_KEY_ENV = "STANDIN_API_KEY"  # what the `standin` fixture sets
+
+
+def engine(api_base: str, model: str = "demo-model", **fields: Any) -> dict[str, Any]:
+    """An engine-kind backend (our engine's API, or a stand-in speaking it) at `api_base`."""
+    return {"kind": "engine", "model": model, "api_base": api_base, **fields}
+
+
+def litellm(api_base: str, model: str = "openai/gpt-4o-mini", **fields: Any) -> dict[str, Any]:
+    """A litellm-kind backend at `api_base`, its key in $STANDIN_API_KEY."""
+    return {"kind": "litellm", "model": model, "api_base": api_base, "api_key_env": STANDIN_KEY_ENV, **fields}
+
+
+def fixed(backend: str, **fields: Any) -> dict[str, Any]:
+    """A fixed route to `backend` (fallbacks, counterfactual, … as keywords)."""
+    return {"strategy": "fixed", "backend": backend, **fields}
+
+
+def policy(backends: dict[str, dict[str, Any]], routes: dict[str, dict[str, Any]], **top: Any) -> str:
+    """The policy's YAML text."""
+    return yaml.safe_dump({"backends": backends, "routes": routes, **top}, sort_keys=False)
