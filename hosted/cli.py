@@ -99,6 +99,9 @@ def _add_distill(esub: argparse._SubParsersAction) -> None:
                                     "teacher's layers with a narrow head) is trained on a divergence over the "
                                     "teacher's token distributions, and the acceptance rate is reported before and "
                                     "after on held-out prompts. Resumable: rerun the same command after Ctrl-C.")
+    p.add_argument("--method", default="draft", choices=["draft", "eagle"],
+                   help="draft: a subset of the teacher's layers (serve with --draft OUT); eagle: one layer over the "
+                        "teacher's own hidden states (serve with --speculative eagle --draft OUT)")
     p.add_argument("--teacher", required=True, help=MODEL_HELP)
     p.add_argument("--out", required=True, help="output draft checkpoint directory (serve with --draft OUT)")
     p.add_argument("--work-dir", default=None, help="teacher data and checkpoints for resuming (default: OUT.work)")

@@ -305,7 +305,9 @@ class EngineConfig:
     decode_burst_ms: float = DEFAULT_DECODE_BURST_MS
     # Speculative decoding (hosted/spec/): None = off; "ngram" = prompt lookup (n-grams of spec_ngram_max down
     # to spec_ngram_min tokens); "draft" = draft_model_dir, a small model with the same vocabulary (a draft
-    # directory alone implies "draft"). Up to num_speculative_tokens drafts per decode per step, as many as
+    # directory alone implies "draft"); "eagle" = draft_model_dir holds a feature-level draft (one layer reading the
+    # target's hidden states, `distill --method eagle`).
+    # Up to num_speculative_tokens drafts per decode per step, as many as
     # measured goodput favours (none when verifying costs more than it saves); spec_adaptive=False always
     # verifies every draft offered (tests, benchmarks).
     speculative: str | None = None
@@ -364,10 +366,10 @@ class EngineConfig:
 
     def _validate_spec(self) -> None:
         method = self.spec_method
-        if method not in (None, "ngram", "draft"):
-            raise ValueError(f"speculative must be 'ngram' or 'draft' (or None), got {self.speculative!r}")
-        if method == "draft" and self.draft_model_dir is None:
-            raise ValueError("speculative='draft' needs draft_model_dir (--draft DIR)")
+        if method not in (None, "ngram", "draft", "eagle"):
+            raise ValueError(f"speculative must be 'ngram', 'draft' or 'eagle' (or None), got {self.speculative!r}")
+        if method in ("draft", "eagle") and self.draft_model_dir is None:
+            raise ValueError(f"speculative={method!r} needs draft_model_dir (--draft DIR)")
         if method == "ngram" and self.draft_model_dir is not None:
             raise ValueError("draft_model_dir is set but speculative='ngram': choose one proposer")
         if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:

@@ -62,8 +62,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="run decode-only steps back to back for up to MS milliseconds before their tokens are "
                         "streamed (one SSE chunk per burst; a new request or an abort ends a burst at once); "
                         "0 streams every step's token")
-    p.add_argument("--speculative", default=None, choices=["ngram", "draft"],
-                   help="speculative decoding: ngram = prompt lookup (no draft model); draft = --draft DIR")
+    p.add_argument("--speculative", default=None, choices=["ngram", "draft", "eagle"],
+                   help="speculative decoding: ngram = prompt lookup (no draft model); draft = --draft DIR; eagle = "
+                        "--draft DIR holds a feature-level draft reading the target's hidden states")
     p.add_argument("--draft", default=None, metavar="DIR",
                    help="draft model for speculative decoding (same tokenizer as --model); implies --speculative draft")
     p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",

@@ -45,6 +45,7 @@ class ModelRunner:
             raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype} beside {config.dtype} weights runs on CPU only "
                              "(the Triton attention kernels take a cache of the model's dtype); use auto")
         self.block_size = config.block_size
+        self.captured_items: list[tuple[Sequence, int, int]] = []  # (seq, first position, rows) per captured item
         self.kernels = ops.select(self.device)  # the kernel backend, decided once for this model
         self.model = load_model(config.model_dir, model_config, self.dtype, self.device,
                                 config.quantization, config.quantization_group_size, self.kernels)
@@ -111,6 +112,9 @@ class ModelRunner:
         (and so sample a token), with those sequences in row order; (None, []) if none do. A sequence verifying
         draft tokens gets 1 + len(seq.spec_token_ids) consecutive rows. `before_forward` runs once the inputs
         are built, right before the model."""
+        if getattr(self.model, "capture_layers", None) is not None:
+            # Which sequence's positions the captured feature rows hold (an EAGLE draft reads them next step).
+            self.captured_items = [(seq, seq.num_computed_tokens, n) for seq, n in batch.items]
         input_ids, positions, meta, logits_indices, sample_seqs = self.prepare(batch)
         if before_forward is not None:
             before_forward()

@@ -59,6 +59,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--spec-tokens", type=int, default=64, help="speculation: greedy tokens per request")
     p.add_argument("--spec-rounds", type=int, default=3, help="odd: the median is a measured round")
     p.add_argument("--spec-batches", default="1,8,32")
+    p.add_argument("--spec-eagle", default=None, metavar="DIR", help="speculation: add an EAGLE draft's configurations")
+    p.add_argument("--spec-configs", default=None, help="speculation: comma-separated name parts of the "
+                   "configurations to run (ngram, untrained, distilled, eagle; plain always runs)")
+    p.add_argument("--spec-workloads", default=None, help="speculation: grounded, open-ended or both (default)")
     p.add_argument("--stack-requests", type=int, default=32)
     p.add_argument("--stack-tokens", type=int, default=64)
     p.add_argument("--merge", action="store_true",

@@ -146,10 +146,19 @@ def run(args, root: Path, tok, log) -> dict[str, Any]:
                "untrained draft fixed K": {"draft_model_dir": str(untrained_dir), "spec_adaptive": False},
                "distilled draft adaptive": {"draft_model_dir": distilled},
                "distilled draft fixed K": {"draft_model_dir": distilled, "spec_adaptive": False}}
+    eagle = getattr(args, "spec_eagle", None)
+    if eagle:  # the feature-level draft (issue 35)
+        configs["eagle adaptive"] = {"speculative": "eagle", "draft_model_dir": eagle}
+        configs["eagle fixed K"] = {"speculative": "eagle", "draft_model_dir": eagle, "spec_adaptive": False}
+    wanted = getattr(args, "spec_configs", None)
+    if wanted:  # a subset (plain is always run: every speed-up is over it)
+        configs = {n: kw for n, kw in configs.items() if n == "plain" or any(w in n for w in wanted.split(","))}
     engines = {name: LLMEngine(EngineConfig(model_dir=model, max_num_seqs=64, num_speculative_tokens=k,
                                             num_kv_blocks=1024, **kw)) for name, kw in configs.items()}
     log(f"spec: draft {dcfg.num_hidden_layers} layers, head {dcfg.head_vocab_size}; {len(engines)} engines, K={k}")
     workloads = {"grounded": encode(tok, grounded_chats()), "open-ended": encode(tok, list(OPEN_ENDED))}
+    if getattr(args, "spec_workloads", None):
+        workloads = {w: v for w, v in workloads.items() if w in args.spec_workloads.split(",")}
     rows = []
     for batch in args.spec_batches:
         for workload, base in workloads.items():
@@ -157,6 +166,9 @@ def run(args, root: Path, tok, log) -> dict[str, Any]:
             for engine in engines.values():  # warm-up; the adaptive planners' first measurements
                 timed_generate(engine, prompts, min(args.spec_tokens, 32))
             rounds: dict[str, list[dict]] = {name: [] for name in engines}
+            for engine in engines.values():
+                if engine.spec is not None:
+                    engine.spec.verifications.clear()  # acceptance by position over the measured rounds
             for _ in range(args.spec_rounds):
                 for name, engine in engines.items():
                     rounds[name].append(timed_generate(engine, prompts, args.spec_tokens))
@@ -173,10 +185,20 @@ def run(args, root: Path, tok, log) -> dict[str, Any]:
                        "drafts_per_token": proposed / max(sum(r["decode_tokens"] for r in runs), 1),
                        "same_output": all(r["outputs"] == plain[0]["outputs"] for r in runs),
                        "bound": bound(mid, plain_step, k, batch) if "fixed" in name else None}
+                spec = engines[name].spec
+                if spec is not None and spec.verifications:
+                    from hosted.spec.decoder import acceptance_by_position
+
+                    n = sum(spec.verifications.values())
+                    row["acceptance_by_position"] = acceptance_by_position(spec.verifications)
+                    row["mean_accepted"] = sum(a * c for (_, a), c in spec.verifications.items()) / n
                 rows.append(row)
                 b = row["bound"]
                 acc = "-" if row["acceptance"] is None else f"{row['acceptance']:.3f}"
                 limit = f" bound x{b['bound']:.2f} (c_draft {b['c_draft']:.3f}, c_verify {b['c_verify']:.2f})" if b else ""
+                if row.get("acceptance_by_position"):
+                    log(f"    by position {[round(a, 3) for a in row['acceptance_by_position']]}, mean accepted "
+                        f"{row['mean_accepted']:.2f} per verification")
                 log(f"spec B={batch:<2} {workload:<10} {name:<25} {row['decode_tok_s']:7.1f} tok/s "
                     f"x{row['speedup']:.2f} accept={acc}{limit}{'' if row['same_output'] else ' OUTPUT DIFFERS'}")
     del engines

@@ -97,6 +97,10 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.kernels = kernels
         self.decode_step: DecodeStep | None = None  # set by bind_decode_step
+        # Feature capture for a feature-level (EAGLE) draft: after these layers (indices), every fed row's residual
+        # stream is kept in `captured` ([T, len * hidden] fp32). None: off (one test per forward, nothing else).
+        self.capture_layers: tuple[int, ...] | None = None
+        self.captured: torch.Tensor | None = None
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype, device, kernels)
@@ -163,7 +167,9 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
         step = self.decode_step
-        if step is not None and 0 < meta.num_decode_tokens == hidden.shape[0]:
+        if self.capture_layers is not None:
+            hidden, residual = self._forward_capturing(hidden, positions, cos_sin, meta)
+        elif step is not None and 0 < meta.num_decode_tokens == hidden.shape[0]:
             # Every row a decode: the whole layer loop in one native call (its activations are fp32), through the
             # head too when every row is sampled (a decode-only batch's logits_indices are then 0..B-1).
             args = (hidden, positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens)
@@ -181,6 +187,20 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = self.norm(hidden, residual)
         logits = self.lm_head.forward(hidden) if self.lm_head is not None else self.tied_head(hidden)
         return self._vocab_logits(logits)
+
+    def _forward_capturing(self, hidden: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                           meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer loop, keeping the stream (hidden + residual) after each layer in capture_layers (the native
+        decode step has no such exits: a capturing model always takes this loop)."""
+        keep = self.capture_layers or ()
+        residual: torch.Tensor | None = None
+        feats: list[torch.Tensor] = []
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer.forward(hidden, residual, positions, cos_sin, meta)
+            if i in keep:
+                feats.append((hidden + residual).float())
+        self.captured = torch.cat(feats, dim=-1)
+        return hidden, residual
 
     def _vocab_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """The head's output as fp32 logits over the whole vocabulary."""

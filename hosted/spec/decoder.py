@@ -24,6 +24,7 @@ from hosted.scheduler import Scheduler
 from hosted.sequence import Sequence
 from hosted.spec import rejection
 from hosted.spec.draft import DraftProposer
+from hosted.spec.eagle import EagleProposer
 from hosted.spec.ngram import NgramIndex
 from hosted.spec.planner import Acceptance, BackOff, Candidate, Plan, ScaledCost, StepCost, plan_drafts
 
@@ -74,10 +75,18 @@ class SpecDecoder:
         # Over all sequences, by proposal kind (n-gram match length; 0 for the draft model): the prior of each
         # sequence's own estimate.
         self.acceptance: dict[int, Acceptance] = {}
-        self.draft = _build_draft(config, model_config, runner, max_model_len) if self.method == "draft" else None
-        self.draft_weight_ratio = _weight_ratio(self.draft.runner, runner) if self.draft is not None else 0.0
+        self.draft: DraftProposer | EagleProposer | None = None
+        self.draft_weight_ratio = 0.0
+        if self.method == "draft":
+            self.draft = _build_draft(config, model_config, runner, max_model_len)
+            self.draft_weight_ratio = _weight_ratio(self.draft.runner, runner)
+        elif self.method == "eagle":
+            assert config.draft_model_dir is not None
+            self.draft = EagleProposer(config.draft_model_dir, runner)
+            self.draft_weight_ratio = self.draft.weight_bytes() / max(_model_bytes(runner), 1)
         self.num_proposed = 0  # draft tokens verified, all requests
         self.num_accepted = 0  # of them, kept as output
+        self.verifications: dict[tuple[int, int], int] = {}  # (drafts verified, accepted) -> verifications
         self.propose_seconds = 0.0
         self._pending: list[Sequence] = []
         self._step = 0  # propose() calls so far
@@ -102,6 +111,8 @@ class SpecDecoder:
             seq.spec_draft_probs = None
         self._pending = []
         self._step += 1
+        if isinstance(self.draft, EagleProposer):
+            self.draft.ingest()  # the last forward's features, before anything is planned from them
         # Constrained sequences (a grammar matcher) get no drafts: every token they emit is masked by the grammar.
         decodes = [s for s in scheduler.running if s.num_uncomputed == 1 and s.matcher is None]
         if self.adaptive and not self.backoff.ready(len(decodes)):
@@ -231,6 +242,8 @@ class SpecDecoder:
         seq.spec_accepted += kept_drafts
         self.num_proposed += k
         self.num_accepted += kept_drafts
+        key = (k, got.num_accepted)
+        self.verifications[key] = self.verifications.get(key, 0) + 1
         seq.spec_state.acceptance.update(k, got.num_accepted)
         self._overall(seq.spec_state.kind).update(k, got.num_accepted)
 
@@ -264,6 +277,17 @@ class SpecDecoder:
             self.draft.release(seq)
 
 
+def acceptance_by_position(verifications: dict[tuple[int, int], int]) -> list[float]:
+    """P(draft j accepted | j drafts verified and drafts 1..j-1 accepted), j = 1.. (SpecDecoder.verifications)."""
+    depth = max((k for k, _ in verifications), default=0)
+    rates = []
+    for j in range(1, depth + 1):
+        reached = sum(n for (k, a), n in verifications.items() if k >= j and a >= j - 1)
+        kept = sum(n for (k, a), n in verifications.items() if k >= j and a >= j)
+        rates.append(kept / reached if reached else 0.0)
+    return rates
+
+
 def plain_samples(result: SampleResult) -> list[Sampled]:
     """The plain sampler's one token per sequence, as Sampled."""
     return [Sampled([t], [lp] if lp is not None else None) for t, lp in zip(result.token_ids, result.logprobs)]
@@ -288,12 +312,13 @@ def calibration_bucket(num_decodes: int) -> int:
 def _weight_ratio(draft: ModelRunner, target: ModelRunner) -> float:
     """The draft's parameter bytes read per forward over the target's (an untied embedding is a lookup, not
     read whole): a first guess of its cost per forward."""
-    def size(runner: ModelRunner) -> int:
-        tied = runner.model_config.tie_word_embeddings
-        return sum(p.numel() * p.element_size() for name, p in runner.model.named_parameters()
-                   if tied or not name.startswith("embed_tokens"))
+    return _model_bytes(draft) / max(_model_bytes(target), 1)
 
-    return size(draft) / max(size(target), 1)
+
+def _model_bytes(runner: ModelRunner) -> int:
+    tied = runner.model_config.tie_word_embeddings
+    return sum(p.numel() * p.element_size() for name, p in runner.model.named_parameters()
+               if tied or not name.startswith("embed_tokens"))
 
 
 def _build_draft(config: EngineConfig, model_config: ModelConfig, runner: ModelRunner,

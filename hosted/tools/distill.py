@@ -18,7 +18,12 @@ def cli_distill(args: argparse.Namespace) -> int:
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(DistillSettings) if hasattr(args, f.name)}
     settings = DistillSettings(**given, progress=not args.no_progress)
     try:
-        report = distill(settings)
+        if getattr(args, "method", "draft") == "eagle":
+            from hosted.distill.eagle_run import distill_eagle
+
+            report = distill_eagle(settings)
+        else:
+            report = distill(settings)
     except (ConfigError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
