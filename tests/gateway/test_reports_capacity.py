@@ -229,7 +229,7 @@ def test_bytes_per_precision_and_kv():
 
 
 def test_roofline_table_from_the_real_bench():
-    shape = roofline.model_shape_from_bench([REAL_BENCH, store.path("engine_throughput", store.newest("engine_throughput")[0])])
+    shape = roofline.model_shape_from_bench([REAL_BENCH, store.path("engine_throughput", store.newest("engine_throughput", label="")[0])])
     data = REAL_RUN
     assert shape.param_count == data["runs"]["fp32"]["param_bytes"] // 4
     assert shape.kv_values_per_position == 11520  # SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64
