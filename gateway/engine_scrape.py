@@ -7,9 +7,11 @@ device time, not four. So each scrape (gateway/engine_load.py, every 0.5 s) meas
 busy since the last one, and that busy time is split over the requests that finished meanwhile in proportion
 to the tokens each made the engine compute (uncached prompt tokens + output tokens). Busy time an interval
 could not hand out (no request of ours finished in it: a long one is still running) carries over to the next
-interval that can, so the attributed device-seconds add up to the engine's busy time.
+interval that can, so the attributed device-seconds add up to the engine's busy time. Requests still running
+when others end (the engine's running gauge) keep their part of the time they shared: n ready rows take
+n / (n + running) of it, so the first of a batch to end is not charged the whole batch's time so far.
 
-Busy time per engine type (docs/engines.md says the same, with the error of each):
+Busy time per engine type (docs/deploy.md says the same, with the error of each):
   * sglang: `sglang:forward_execution_seconds_total` (all categories), the engine's own count of the time it
     spent in forward passes (SGLang >= 0.5 with --enable-metrics). Older builds without it: as vLLM, from
     `sglang:e2e_request_latency_seconds` minus `sglang:queue_time_seconds` and `sglang:num_running_reqs`.
@@ -248,7 +250,9 @@ class EngineAttribution:
         return min(self.util_busy / self.util_wall, 1.0) if self.util_wall > 0 else None
 
     def _attribute(self, ready: list[Pending], hit_rate: float, dt: float) -> list[tuple[Pending, float]]:
-        """Split the busy time waiting to be handed out over the ready rows by their token weights."""
+        """Split the busy time waiting to be handed out between the ready rows and the requests still running
+        on the engine (its running gauge: they shared that time and claim their part when they end), then over
+        the ready rows by their token weights."""
         if not ready:
             idle = (self.last is not None and not self.last.running) and not self.pending
             self.idle_s = self.idle_s + dt if idle else 0.0
@@ -260,7 +264,9 @@ class EngineAttribution:
         weights = [p.weight(hit_rate) for p in ready]
         total = sum(weights)
         shares = [w / total for w in weights] if total > 0 else [1.0 / len(ready)] * len(ready)
-        pool, self.pool_s = self.pool_s, 0.0
+        running = max(self.last.running or 0.0, 0.0) if self.last is not None else 0.0
+        pool = self.pool_s * len(ready) / (len(ready) + running)
+        self.pool_s -= pool
         self.attributed_s += pool
         return [(p, pool * share) for p, share in zip(ready, shares, strict=True)]
 

@@ -9,10 +9,10 @@ import pytest
 
 from gateway.engine_scrape import (
     IDLE_FORGET_S,
+    Coverage,
     EngineAttribution,
     ForeignEngines,
     Pending,
-    Coverage,
     Scrape,
     parse_sglang,
     parse_vllm,
@@ -108,7 +108,7 @@ def test_requests_batched_together_share_the_busy_time_by_their_tokens() -> None
         run(engine, t, scrape(running=4))
     for name, tokens in (("a", 10), ("b", 20), ("c", 30), ("d", 40)):
         engine.pending.append(rows.pending(name, 0, tokens, finished_at=2.1, started_at=0.1))
-    done = run(engine, 2.5, scrape(inference=8.0, finished=4, running=4))
+    done = run(engine, 2.5, scrape(inference=8.0, finished=4, running=0))
     seconds = {p.completion_tokens: s for p, s in done}
     assert sum(seconds.values()) == pytest.approx(2.0)
     assert seconds == pytest.approx({10: 0.2, 20: 0.4, 30: 0.6, 40: 0.8})
@@ -133,7 +133,8 @@ def test_a_span_ending_later_adds_only_the_time_not_covered_yet() -> None:
     first = run(engine, 1.5, scrape(inference=1.0, finished=1, running=1))
     engine.pending.append(rows.pending("long", 0, 40, finished_at=4.0, started_at=0.0))
     second = run(engine, 4.5, scrape(inference=5.0, finished=2))
-    assert [round(s, 6) for _, s in first + second] == [1.0, 3.0]  # the engine was busy 4 s, not 5
+    # the engine was busy 4 s, not 5; the first second was shared by both (the gauge still counted the long one)
+    assert [round(s, 6) for _, s in first + second] == [0.5, 3.5]
     cover = Coverage()
     assert [cover.add(*span) for span in ((0, 2), (3, 5), (1, 4), (10, 11), (4.5, 6))] == [2, 2, 1, 1, 1]
     assert cover.intervals == [(0, 6), (10, 11)]
@@ -159,7 +160,7 @@ def test_busy_time_of_an_interval_without_a_finished_request_carries_over() -> N
     assert run(engine, 1.0, scrape(busy=1.0, running=1)) == []
     engine.pending.append(rows.pending("a", 5, 5, finished_at=1.2))
     engine.pending.append(rows.pending("late", 5, 5, finished_at=1.6))  # ends after the next scrape began
-    done = run(engine, 1.5, scrape(busy=1.3, running=1))
+    done = run(engine, 1.5, scrape(busy=1.3, running=0))
     assert [(p.completion_tokens, s) for p, s in done] == [(5, pytest.approx(1.3))]
     assert [p.finished_at for p in engine.pending] == [1.6]
     assert engine.attributed_s == pytest.approx(1.3)
@@ -246,7 +247,8 @@ def test_a_row_whose_settlement_fails_does_not_cost_the_others_theirs() -> None:
     engines.defer("s", Pending(1, 1, None, 0.0, 0.1, broken))
     engines.defer("s", rows.pending("ok", 1, 1, finished_at=0.1))
     engines.observe("s", text.replace("12.5", "13.5"), 0.5, 0.5)
-    assert rows.seconds("ok") == pytest.approx(0.5)  # half of the 1 s, beside the broken row's half
+    # 1 s busy; 3 requests still run (its gauge): the two ended take 2/5 of it, half each, broken or not
+    assert rows.seconds("ok") == pytest.approx(0.2)
 
 
 def test_a_busy_counter_that_appears_after_the_first_scrape_counted_from_zero() -> None:
