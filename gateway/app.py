@@ -54,6 +54,7 @@ from gateway.policy_store import PolicyStore
 from gateway.ratelimit import RateLimiter
 from gateway.routing import RoutingRuntime
 from gateway.shadow.runner import ShadowRunner
+from gateway.shared_policy import SharedPolicy
 from gateway.shared_state import SharedBudgetBook, SharedRateLimiter, SharedState
 from gateway.stage_profile import StageProfileMiddleware
 from gateway.tasks import cancel_and_wait
@@ -197,7 +198,7 @@ async def _start(config: GatewayConfig) -> Gateway:
 
     policy_store.on_change(on_change)
     if shared_state is not None:
-        await shared_state.share_policy(policy_store)  # one live policy for every replica (gateway/shared_policy.py)
+        await SharedPolicy(shared_state, policy_store).start()  # one live policy for every replica
     return gw
 
 

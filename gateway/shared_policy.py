@@ -20,16 +20,15 @@ import time
 from typing import TYPE_CHECKING
 
 from gateway.policy import Policy, PolicyError, parse_policy
+from gateway.shared_state import POLICY_CHANNEL, PREFIX, SharedState
 from gateway.tasks import poll_forever
 
 if TYPE_CHECKING:
     from gateway.policy_store import PolicyStore
-    from gateway.shared_state import SharedState
 
 log = logging.getLogger("switchyard.shared_policy")
 
-POLICY_KEY = "switchyard:policy"  # hash: version, text, at, replica
-POLICY_CHANNEL = "switchyard:policy"  # pub/sub: the version just put there
+POLICY_KEY = f"{PREFIX}:policy"  # hash: version, text, at, replica (POLICY_CHANNEL announces a new one)
 CHECK_S = 1.0
 
 
@@ -44,6 +43,7 @@ class SharedPolicy:
         self._kicks: set[asyncio.Task] = set()
         store.on_change(self._changed)
         state.on_message(POLICY_CHANNEL, self._announced)
+        state.policy = self  # its /health block and its close go with the shared state's
 
     async def start(self) -> None:
         await self.check()  # Redis away: this file's policy; the checks catch up once it answers

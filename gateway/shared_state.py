@@ -28,11 +28,13 @@ from contextvars import ContextVar
 from dataclasses import dataclass, replace
 
 from prometheus_client import Gauge
+from redis.exceptions import NoScriptError
 
 from gateway import errors
 from gateway.budgets import BudgetBook, Reservation
 from gateway.keys import KeyInfo
 from gateway.ratelimit import WINDOW_S, RateLimiter
+from gateway.redis_wire import WireClient, encode
 
 log = logging.getLogger("switchyard.shared_state")
 
@@ -40,10 +42,17 @@ RESERVATION_TTL_S = 900.0  # longer than any request the gateway lets run; a cra
 HEARTBEAT_S = 1.0  # replicas announce themselves this often (and a replica in fallback probes Redis)
 REPLICA_TTL_S = 5.0  # a replica not heard from for this long no longer counts
 RECONCILE_S = 30.0  # Redis spend vs the ledger
-SOCKET_TIMEOUT_S = 0.5  # a Redis that hangs sends the request to local enforcement, not to a stall
+SOCKET_TIMEOUT_S = 1.0  # a Redis that hangs sends the request to local enforcement, not to a stall
+# The heartbeat, seeding and replay (off the hot path) wait longer: on a loaded machine a slow reply is the gateway's
+# own event loop lagging, and a false outage would hand out local shares on top of the shared budget.
+BACKGROUND_TIMEOUT_S = 2.0
+MAX_CONNECTIONS = 32  # to Redis, per replica; a request waits up to POOL_WAIT_S for one (then: local enforcement)
+POOL_WAIT_S = 5.0
+FLUSH_DELAY_S = 0.005  # settles and token counts wait this long to share a write with those of other requests
 MAX_PENDING = 100_000  # settles and admissions kept for replay during an outage (oldest dropped past this)
 PREFIX = "switchyard"
 KEY_CHANNEL = f"{PREFIX}:keys"  # pub/sub: the id of a key revoked, updated or rotated
+POLICY_CHANNEL = f"{PREFIX}:policy"  # pub/sub: a policy version a replica shared (gateway/shared_policy.py)
 
 SHARED_UP = Gauge("switchyard_shared_state_up", "1 while budgets and rate limits are shared through Redis; 0 while "
                                                 "this replica enforces its share locally (Redis unreachable)")
@@ -163,8 +172,16 @@ class SharedState:
         import redis.asyncio as aioredis
 
         self.url = url
-        self._client = aioredis.Redis.from_url(url, socket_timeout=socket_timeout_s,
-                                               socket_connect_timeout=socket_timeout_s, decode_responses=True)
+        # A bounded pool: a burst of concurrent requests queues for a connection instead of opening one each (a
+        # connection storm times connects out and would send the burst to local enforcement).
+        pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=MAX_CONNECTIONS, timeout=POOL_WAIT_S,
+                                                        socket_timeout=max(socket_timeout_s,
+                                                                           BACKGROUND_TIMEOUT_S),
+                                                        socket_connect_timeout=socket_timeout_s,
+                                                        decode_responses=True)
+        self._client = aioredis.Redis(connection_pool=pool)
+        # The hot path (admission, then the settles) on one pipelined socket of its own (gateway/redis_wire.py)
+        self._wire = WireClient(url, socket_timeout_s)
         self._admit = self._client.register_script(_ADMIT)
         self._settle = self._client.register_script(_SETTLE)
         self._seed = self._client.register_script(_SEED)
@@ -179,12 +196,15 @@ class SharedState:
         self.outages = 0
         self._local: dict[str, _Local] = {}
         self._known_spent: dict[str, float] = {}  # per key, spent + reserved as the last script reply showed
+        self._lookups: dict[str, asyncio.Future] = {}  # key id -> its one ledger lookup in flight
+        self._seeding: dict[str, asyncio.Future] = {}  # key id -> its one seeding (lookup, then the write)
         self._local_limiter = RateLimiter(clock=time.time)
         self._pending_settles: list[tuple[str, str, float]] = []  # (key id, reservation id, USD) to replay
         self._pending_admits: list[tuple[str, float]] = []  # (key id, wall time) of requests admitted locally
         self._pending_tokens: list[tuple[str, float, int]] = []
         self._batch: tuple[list, list] = ([], [])  # settles and token counts for the next pipelined flush
         self._flushing: asyncio.Task | None = None
+        self._flush_timer: asyncio.TimerHandle | None = None
         self._background: set[asyncio.Task] = set()
         self._loop_task: asyncio.Task | None = None
         self._closing = False
@@ -192,9 +212,9 @@ class SharedState:
         # timeout (a subscription waits for messages), and the callbacks that drop the key from local caches.
         self._pubsub_client = aioredis.Redis.from_url(url, socket_connect_timeout=socket_timeout_s,
                                                       decode_responses=True)
-        self._handlers: dict[str, list[Callable[[str], None]]] = {KEY_CHANNEL: []}  # channel -> callbacks
+        self._handlers: dict[str, list[Callable[[str], None]]] = {KEY_CHANNEL: [], POLICY_CHANNEL: []}
         self._listener: asyncio.Task | None = None
-        self.policy = None  # gateway/shared_policy.py's SharedPolicy once share_policy() ran
+        self.policy = None  # gateway/shared_policy.py's SharedPolicy, which sets itself here (health, close)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -212,13 +232,6 @@ class SharedState:
         """The Redis client (read timeouts bounded): for gateway/shared_policy.py."""
         return self._client
 
-    async def share_policy(self, store) -> None:
-        """Keep the live policy the same on every replica (gateway/shared_policy.py)."""
-        from gateway.shared_policy import SharedPolicy
-
-        self.policy = SharedPolicy(self, store)
-        await self.policy.start()
-
     async def aclose(self) -> None:
         self._closing = True
         if self.policy is not None:
@@ -232,8 +245,12 @@ class SharedState:
             await asyncio.wait({self._listener}, timeout=2.0)
         with contextlib.suppress(Exception):
             await self._pubsub_client.aclose()
+        if self._flush_timer is not None:  # what is batched goes now
+            self._flush_timer.cancel()
+            self._start_flush()
         if self._background:
             await asyncio.wait(self._background, timeout=2.0)
+        self._wire.close()
         with contextlib.suppress(Exception):
             await self._client.zrem(f"{PREFIX}:replicas", self.replica_id)
         with contextlib.suppress(Exception):
@@ -258,6 +275,7 @@ class SharedState:
                 if not self.up:
                     # Connections from before the outage are dead (a restarted Redis closed them): new ones
                     await self._client.connection_pool.disconnect()
+                    self._wire.close()
                     await self._heartbeat()
                     await self._replay()
                     await self._reconcile()
@@ -317,12 +335,8 @@ class SharedState:
         self._handlers[KEY_CHANNEL].append(callback)
 
     def on_message(self, channel: str, callback: Callable[[str], None]) -> None:
-        """Call `callback(data)` for each message on `channel`; a new channel after start() subscribes anew."""
-        new = channel not in self._handlers
-        self._handlers.setdefault(channel, []).append(callback)
-        if new and self._listener is not None and not self._closing:
-            self._listener.cancel()
-            self._listener = asyncio.create_task(self._listen(), name="shared-state-keys")
+        """Call `callback(data)` for each message on `channel` (KEY_CHANNEL or POLICY_CHANNEL: both subscribed)."""
+        self._handlers[channel].append(callback)
 
     async def announce_key_change(self, key_id: str) -> None:
         """Tell every replica (this one too) that the key changed: they drop it from their caches now rather than
@@ -363,10 +377,10 @@ class SharedState:
                 repr(float(estimate_usd or 0.0)), "" if key.rpm is None else str(key.rpm),
                 "" if key.tpm is None else str(key.tpm), str(int(prompt_tokens)), rid, str(self._ttl_ms)]
         try:
-            reply = await self._admit(keys=_keys(key.id), args=args)
+            reply = await self._run_admit(key.id, args)
             if reply[0] == 0 and reply[1] == "seed":
                 await self._seed_from_ledger(key.id)
-                reply = await self._admit(keys=_keys(key.id), args=args)
+                reply = await self._run_admit(key.id, args)
         except errors.APIError:
             raise
         except Exception as exc:  # Redis gone mid-request: this request and the next go local
@@ -381,13 +395,41 @@ class SharedState:
             return None
         raise _refusal(key, reply, estimate_usd)
 
+    async def _ledger_spent(self, key_id: str) -> float:
+        """The key's spend in the ledger: one lookup per key at a time, shared by its concurrent requests (a burst of
+        1,000 first requests on a key would otherwise make 1,000 queries, exhaust the database pool and get 503s)."""
+        lookup = self._lookups.get(key_id)
+        if lookup is None:
+            lookup = self._lookups[key_id] = asyncio.ensure_future(asyncio.wait_for(self._load_spent(key_id), 5.0))
+            lookup.add_done_callback(lambda _: self._lookups.pop(key_id, None))
+        spent = float(await asyncio.shield(lookup) or 0.0)
+        if not math.isfinite(spent):
+            raise ValueError(f"the ledger's spend sum is {spent}")
+        return spent
+
+    async def _run_admit(self, key_id: str, args: list[str]) -> list:
+        """The admission script: one EVALSHA, one round trip (loaded first when Redis lacks it: a restart)."""
+        command = encode("EVALSHA", self._admit.sha, 5, *_keys(key_id), *args)
+        try:
+            return (await self._wire.execute_many([command]))[0]
+        except NoScriptError:
+            await self._wire.execute("SCRIPT", "LOAD", _ADMIT)
+            return (await self._wire.execute_many([command]))[0]
+
     async def _seed_from_ledger(self, key_id: str) -> None:
+        """Seed the key's account from the ledger: one seeding per key at a time, shared by its concurrent requests
+        (a request whose "no account" reply came before the seed landed may start another: a few, not a burst)."""
+        seeding = self._seeding.get(key_id)
+        if seeding is None:
+            seeding = self._seeding[key_id] = asyncio.ensure_future(self._seed_once(key_id))
+            seeding.add_done_callback(lambda _: self._seeding.pop(key_id, None))
+        await asyncio.shield(seeding)
+
+    async def _seed_once(self, key_id: str) -> None:
         from gateway.budgets import spend_unavailable
 
         try:
-            spent = float(await asyncio.wait_for(self._load_spent(key_id), 5.0) or 0.0)
-            if not math.isfinite(spent):
-                raise ValueError(f"the ledger's spend sum is {spent}")
+            spent = await self._ledger_spent(key_id)
         except Exception as exc:  # noqa: BLE001 - the database failed: a 503 as BudgetBook answers
             log.warning("spend lookup for key %s failed (%s: %s); answering 503", key_id, type(exc).__name__, exc)
             raise spend_unavailable() from None
@@ -409,7 +451,7 @@ class SharedState:
                 # reply would otherwise be counted in no share.
                 base = self._known_spent.get(key.id)
                 try:
-                    ledger = float(await asyncio.wait_for(self._load_spent(key.id), 5.0) or 0.0)
+                    ledger = await self._ledger_spent(key.id)
                     base = ledger if base is None or not ledger <= base else base
                 except Exception:  # noqa: BLE001 - the ledger too: the last view, if any
                     if base is None:
@@ -454,16 +496,19 @@ class SharedState:
         self._schedule_flush()
 
     def _schedule_flush(self) -> None:
-        if self._flushing is None:
-            self._flushing = asyncio.ensure_future(self._flush())
-            self._background.add(self._flushing)
-            self._flushing.add_done_callback(self._background.discard)
+        if self._flush_timer is None and self._flushing is None:
+            self._flush_timer = asyncio.get_running_loop().call_later(FLUSH_DELAY_S, self._start_flush)
+
+    def _start_flush(self) -> None:
+        self._flush_timer = None
+        self._flushing = asyncio.ensure_future(self._flush())
+        self._background.add(self._flushing)
+        self._flushing.add_done_callback(self._background.discard)
 
     async def _flush(self) -> None:
-        """Settles and token counts in one pipelined round trip, after the answer: a request's token count and its
-        settle (made one after the other as it finishes) and those of concurrent requests share it."""
-        await asyncio.sleep(0)  # the same request's settle, queued right after its tokens, joins this batch
-        (settles, tokens), self._batch, self._flushing = self._batch, ([], []), None
+        """Settles and token counts of the last FLUSH_DELAY_S in one write, after the answers: a request's token
+        count and its settle, and those of the requests around it, share one round trip off their latency."""
+        (settles, tokens), self._batch = self._batch, ([], [])
         try:
             await self._send(settles, tokens)
         except Exception as exc:  # noqa: BLE001 - kept for the replay
@@ -475,23 +520,26 @@ class SharedState:
                 self._mark_down(exc)
             else:
                 log.error("settling in Redis failed: %s", exc)
+        finally:
+            self._flushing = None
+            if self._batch[0] or self._batch[1]:  # came while this one was on the wire
+                self._schedule_flush()
 
-    async def _send(self, settles: list, tokens: list, *, retried: bool = False) -> None:
-        from redis.exceptions import NoScriptError
-
-        async with self._client.pipeline(transaction=False) as pipe:
-            for key_id, rid, actual in settles:
-                pipe.evalsha(self._settle.sha, 3, *_keys(key_id)[:3], rid, repr(actual))
-            for key_id, at, count in tokens:
-                pipe.hincrby(_keys(key_id)[4], str(int(at)), count)
-                pipe.expire(_keys(key_id)[4], int(WINDOW_S) + 2)
-            try:
-                await pipe.execute()
-            except NoScriptError:  # a restarted Redis has no scripts: load it and send the settles again (none ran;
-                if retried:       # the token counts did, so they are not sent twice)
-                    raise
-                await self._client.script_load(_SETTLE)
-                await self._send(settles, [], retried=True)
+    async def _send(self, settles: list, tokens: list) -> None:
+        commands = [encode("EVALSHA", self._settle.sha, 3, *_keys(key_id)[:3], rid, repr(actual))
+                    for key_id, rid, actual in settles]
+        for key_id, at, count in tokens:
+            commands.append(encode("HINCRBY", _keys(key_id)[4], int(at), count))
+            commands.append(encode("EXPIRE", _keys(key_id)[4], int(WINDOW_S) + 2))
+        replies = await self._wire.execute_many(commands, raise_on_error=False)
+        for reply in replies:
+            if isinstance(reply, Exception) and not isinstance(reply, NoScriptError):
+                raise reply
+        if any(isinstance(reply, NoScriptError) for reply in replies[:len(settles)]):
+            # A restarted Redis has no scripts: load it and send the settles again (none ran; the token counts
+            # did, so they are not sent twice).
+            await self._wire.execute("SCRIPT", "LOAD", _SETTLE)
+            await self._wire.execute_many(commands[:len(settles)])
 
     @staticmethod
     def _remember(queue: list, item: tuple) -> None:

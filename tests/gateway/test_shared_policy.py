@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gateway.policy_store import PolicyStore
-from gateway.shared_policy import POLICY_KEY
+from gateway.shared_policy import POLICY_KEY, SharedPolicy
 from gateway.shared_state import SharedState
 from gateway.shared_state_testing import RedisServer
 
@@ -54,7 +54,7 @@ class Replica:
     async def start(self) -> Replica:
         await self.store.start()
         await self.state.start()
-        await self.state.share_policy(self.store)
+        await SharedPolicy(self.state, self.store).start()
         return self
 
     async def close(self) -> None:

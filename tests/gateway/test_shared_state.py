@@ -82,6 +82,29 @@ async def test_two_replicas_share_one_budget(redis_server):
     assert await _spend_concurrently(local, key, 0.1, 40) == 16
 
 
+class SlowLedger(Ledger):
+    async def __call__(self, key_id: str) -> float:
+        self.calls += 1
+        await asyncio.sleep(0.1)  # a database under load: the burst's requests all arrive while it answers
+        return self.spent
+
+
+async def test_a_burst_of_first_requests_on_a_key_makes_one_ledger_lookup_per_replica(redis_server):
+    """Regression: every concurrent first request on a key Redis had no account for looked its spend up in the
+    ledger (1,000 at once exhausted the database pool and answered 503s)."""
+    key = KeyInfo(id="key_burst", team="t", budget_usd=100.0)
+    ledger = SlowLedger(spent=1.0)
+    states = await _replicas(redis_server.url, ledger)
+    try:
+        books = [SharedBudgetBook(state) for state in states]
+        assert await _spend_concurrently(books, key, 0.1, 200) == 200
+        # One per replica, plus the odd straggler whose "no account" reply came before the seed landed (the old
+        # code made one per request: 200).
+        assert ledger.calls <= 3 * len(states)
+    finally:
+        await _close(states)
+
+
 async def test_a_crashed_replicas_reservations_expire(redis_server):
     key = KeyInfo(id="key_crash", team="t", budget_usd=1.0)
     crashed, alive = await _replicas(redis_server.url, Ledger(), reservation_ttl_s=0.3)
