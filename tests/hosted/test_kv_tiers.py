@@ -262,3 +262,18 @@ def test_full_disk_turns_the_tier_off_without_failing_requests(tiny_model_dirs, 
     disk = result["tiers"]["disk"]
     assert not disk["enabled"] and disk["errors"] >= 1
     assert "KV disk tier off" in proc.stderr and "File too large" in proc.stderr
+
+
+def test_batching_preemption_and_tiers_together_match_solo(tiny_model_dirs, make_engine, reference, tmp_path):
+    """Continuous batching, chunked prefill, preemption and demotions / restores within the same steps (a pool too
+    small for the batch, a host tier of a few blocks, the rest on disk): every request's greedy output unchanged."""
+    from tests.hosted.test_engine_batching import _prompts, _run
+
+    prompts = _prompts() + [p + [7, 8, 9] for p in _prompts()]  # each prompt returns with a longer turn
+    engine = make_engine(tiny_model_dirs["llama"], block_size=BS, num_kv_blocks=24, max_num_batched_tokens=24,
+                         max_num_seqs=5, kv_host_gb=_gb(6), kv_disk_dir=str(tmp_path / "kv"), kv_restore="always")
+    got = _run(engine, prompts, PARAMS, stagger=2)
+    s = engine.stats()
+    assert s.num_preemptions > 0 and s.kv_tiers["host"]["hits"] > 0 and s.kv_tiers["disk"]["hits"] > 0
+    for i, p in enumerate(prompts):
+        assert got[f"r{i}"] == reference(p), f"request {i} differs"
