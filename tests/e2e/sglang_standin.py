@@ -39,8 +39,9 @@ class _Req:
 
 
 class StandinSGLang:
-    def __init__(self, step_s: float = 0.02) -> None:
+    def __init__(self, step_s: float = 0.02, metrics: bool = True) -> None:
         self.step_s = step_s
+        self.metrics = metrics  # False: /metrics answers 404, as SGLang started without --enable-metrics
         self.busy_s = 0.0  # the truth: wall time spent in forward steps
         self.registry = r = CollectorRegistry()
         names = list(LABELS)
@@ -96,6 +97,8 @@ class StandinSGLang:
 
     def app(self) -> Starlette:
         async def metrics(_: Request) -> Response:
+            if not self.metrics:
+                return Response(b"Not Found", status_code=404)
             return Response(generate_latest(self.registry), media_type="text/plain; version=0.0.4")
 
         async def models(_: Request) -> Response:
@@ -136,8 +139,8 @@ class StandinSGLang:
 
 
 @contextmanager
-def run_sglang_standin(port: int, step_s: float = 0.02) -> Iterator[StandinSGLang]:
-    standin = StandinSGLang(step_s)
+def run_sglang_standin(port: int, step_s: float = 0.02, metrics: bool = True) -> Iterator[StandinSGLang]:
+    standin = StandinSGLang(step_s, metrics)
     server = uvicorn.Server(uvicorn.Config(standin.app(), host="127.0.0.1", port=port, log_level="warning",
                                            access_log=False))
     thread = threading.Thread(target=server.run, daemon=True)

@@ -81,6 +81,21 @@ def test_sglang_rows_are_priced_from_its_busy_counter_and_add_up_to_it(tmp_path)
     assert sum(r["seconds"] for r in uptime) >= sum(r["busy_seconds"] for r in uptime)
 
 
+def test_rows_are_written_with_the_estimate_when_the_engines_metrics_never_answer(tmp_path):
+    # SGLang started without --enable-metrics: no scrape ever succeeds; the rows wait 10 s for one, then are written
+    # with what is known (never lost)
+    port = free_port()
+    with run_sglang_standin(port, metrics=False), \
+            run_gateway(POLICY.format(base=f"http://127.0.0.1:{port}/v1", hour=HOUR_USD), tmp_path) as gw:
+        client = openai.OpenAI(base_url=gw.base_url, api_key=MASTER_KEY, max_retries=0)
+        for n in (5, 8):
+            client.chat.completions.create(model="local", messages=[{"role": "user", "content": "hi"}], max_tokens=n)
+        rows = settled_rows(gw.config.database_url, 2, timeout=60)
+    assert [(r["status"], r["completion_tokens"]) for r in rows] == [("ok", 5), ("ok", 8)]
+    # no engine figure and no learned rate yet: $0, and the row says why
+    assert all(r["gpu_seconds"] is None and r["cost_usd"] == 0 and r["cost_note"] == "no_device_seconds" for r in rows)
+
+
 def ledger_rows_uptime(url: str) -> list[dict]:
     import sqlalchemy as sa
 
