@@ -130,6 +130,8 @@ def _add_distill(esub: argparse._SubParsersAction) -> None:
     p.add_argument("--eval-prompts", type=int, default=32, help="held-out prompts for the acceptance report")
     p.add_argument("--eval-tokens", type=int, default=64, help="greedy tokens per held-out prompt")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="K for the acceptance report")
+    p.add_argument("--shard-prompts", type=int, default=64, help="prompts per teacher shard (the unit a rerun "
+                   "resumes from)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
