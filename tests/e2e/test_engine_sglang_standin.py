@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
+from gateway.keys import create_key
 from tests.e2e.conftest import MASTER_KEY, free_port, ledger_rows, run_gateway
 from tests.e2e.sglang_standin import run_sglang_standin
 
@@ -79,6 +80,29 @@ def test_sglang_rows_are_priced_from_its_busy_counter_and_add_up_to_it(tmp_path)
     uptime = ledger_rows_uptime(gw.config.database_url)
     assert sum(r["busy_seconds"] for r in uptime) == pytest.approx(busy, rel=0.10)
     assert sum(r["seconds"] for r in uptime) >= sum(r["busy_seconds"] for r in uptime)
+
+
+def test_a_keys_budget_settles_to_the_attributed_cost_not_the_answers_estimate(tmp_path):
+    port = free_port()
+    with run_sglang_standin(port), \
+            run_gateway(POLICY.format(base=f"http://127.0.0.1:{port}/v1", hour=HOUR_USD), tmp_path) as gw:
+        key, info = gw.call(lambda: create_key(gw.gw.db_engine, "team-s", budget_usd=1.0))
+        client = openai.OpenAI(base_url=gw.base_url, api_key=key, max_retries=0)
+        time.sleep(1.0)  # a first scrape
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(lambda n: client.chat.completions.create(
+                model="local", messages=[{"role": "user", "content": "go"}], max_tokens=n), (30, 5, 20, 10)))
+        client.chat.completions.create(model="local", messages=[{"role": "user", "content": "go"}], max_tokens=15)
+        rows = settled_rows(gw.config.database_url, 5)
+
+        async def book() -> tuple[float | None, float | None]:
+            return gw.gw.services.budgets.spent(info.id), gw.gw.services.budgets.reserved(info.id)
+
+        spent, reserved = gw.call(book)
+    assert len(rows) == 5 and all(r["cost_note"] in (None, "utilisation_floor") for r in rows)
+    # the book holds what the ledger holds: each row's cost after its attribution, nothing left reserved
+    assert reserved == 0
+    assert spent == pytest.approx(sum(r["cost_usd"] for r in rows)) and spent > 0
 
 
 def test_rows_are_written_with_the_estimate_when_the_engines_metrics_never_answer(tmp_path):
