@@ -17,6 +17,7 @@ recompute instead. Same greedy first token in every mode is checked.
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import statistics
 import tempfile
@@ -102,7 +103,8 @@ def run_mode(mode: str, args, hist, turns, order, disk_dir: str | None) -> dict:
     prompt_tokens = sum(len(hist[i]) + len(turns[i]) for i in order)
     row = {"mode": mode, "n": len(ttft), "device_hits": device_hits,
            "p50_ms": 1000 * statistics.median(ttft) if ttft else None,
-           "p95_ms": 1000 * sorted(ttft)[max(0, int(0.95 * len(ttft)) - 1)] if ttft else None,
+           "p95_ms": 1000 * sorted(ttft)[max(0, math.ceil(0.95 * len(ttft)) - 1)] if ttft else None,
+           "ttft_ms": [round(1000 * t, 1) for t in ttft],
            "returning_turns_per_s": len(order) / wall, "prompt_tokens_per_s": prompt_tokens / wall,
            "tiers": s.kv_tiers, "first_tokens": tokens}
     if mode == "disk":
@@ -160,8 +162,14 @@ def markdown(result: dict) -> str:
     for r in result["crossover"]:
         lines.append(f"| {r['history']} | {r['recompute_ms']:.1f} | {r['host_ms']:.1f} | {r['auto_ms']:.1f} | "
                      f"{r['auto_restored_tokens']} |")
-    lines += ["", (f"Recompute wins below {result['crossover_history']} history tokens (first length where the host "
-              "restore is faster).")]
+    first = result["crossover"][0]["history"] if result["crossover"] else None
+    if result["crossover_history"] is None:
+        lines += ["", "Recompute won at every length measured."]
+    elif result["crossover_history"] == first:
+        lines += ["", f"The host restore was faster at every length measured, down to {first} history tokens."]
+    else:
+        lines += ["", f"Recompute wins below {result['crossover_history']} history tokens (the first length where "
+                  "the host restore is faster)."]
     return "\n".join(lines)
 
 
