@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -29,7 +28,7 @@ import torch.nn.functional as F
 from bench import store
 from bench.machine_info import cpu_model, gpu_slug
 from bench.roofline import peak_bandwidth
-from kernels import ops
+from kernels import ops, switches
 
 
 @dataclass(slots=True)
@@ -150,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.cpu_smoke:
-        os.environ["SWITCHYARD_KERNELS"] = "reference"
+        switches.configure(kernels="reference")
         device = torch.device("cpu")
         dtype = torch.float32
         decode_cfgs = [(1, 40, 4, 2, 16), (3, 33, 8, 2, 16)]

@@ -169,7 +169,12 @@ def load_model(args: argparse.Namespace, state: ServerState | None = None) -> tu
     from hosted.async_llm_engine import AsyncLLMEngine
     from hosted.engine import EngineConfig, LLMEngine
     from hosted.tokenizer import Tokenizer
+    from kernels import switches
 
+    # The process's kernel switches as the flags say (precision's choice reads them too); unset: the defaults,
+    # or their environment overrides (kernels/switches.py).
+    switches.configure(**{name: value for name in ("kernels", "cpu_native", "cpu_packed_weights", "cpu_decode_step")
+                          if (value := getattr(args, name, None)) is not None})
     chosen = choose_precision(args)
     log.info("%s", chosen.describe())
     if state is not None:
@@ -191,7 +196,10 @@ def load_model(args: argparse.Namespace, state: ServerState | None = None) -> tu
                           kv_host_gb=getattr(args, "kv_host_gb", 0.0), kv_disk_dir=getattr(args, "kv_disk_dir", None),
                           kv_disk_gb=getattr(args, "kv_disk_gb", 10.0),
                           kv_disk_persist=getattr(args, "kv_disk_persist", False),
-                          kv_restore=getattr(args, "kv_restore", "auto"))
+                          kv_restore=getattr(args, "kv_restore", "auto"),
+                          kernels=getattr(args, "kernels", None), cpu_native=getattr(args, "cpu_native", None),
+                          cpu_packed_weights=getattr(args, "cpu_packed_weights", None),
+                          cpu_decode_step=getattr(args, "cpu_decode_step", None))
     engine = AsyncLLMEngine(LLMEngine(config), max_waiting=args.max_waiting)
     return engine, tokenizer
 

@@ -325,6 +325,14 @@ class EngineConfig:
     kv_disk_gb: float = 10.0
     kv_disk_persist: bool = False
     kv_restore: str = "auto"
+    # Kernel switches (kernels/switches.py): None = the process's (the default, or its SWITCHYARD_* environment
+    # override read once at start). kernels: auto | triton | reference; cpu_native: the compiled CPU kernels
+    # (built once per process); cpu_packed_weights: CPU GEMMs on a packed copy of the weights; cpu_decode_step:
+    # decode steps through the native layer loop (else the per-op loop).
+    kernels: str | None = None
+    cpu_native: bool | None = None
+    cpu_packed_weights: bool | None = None
+    cpu_decode_step: bool | None = None
 
     @property
     def spec_method(self) -> str | None:

@@ -82,6 +82,17 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-restore", default="auto", choices=["auto", "always"],
                    help="auto: restore a lower-tier prefix only where the measured copy is faster than recomputing "
                         "it; always: restore every hit (benchmarks)")
+    p.add_argument("--kernels", default=None, choices=["auto", "triton", "reference"],
+                   help="kernel backend: auto = Triton on CUDA, the native CPU kernels on CPU; reference = plain "
+                        "torch (default: auto, or SWITCHYARD_KERNELS)")
+    p.add_argument("--cpu-native", default=None, action=argparse.BooleanOptionalAction,
+                   help="the compiled CPU kernels (default: on, or SWITCHYARD_CPU_NATIVE)")
+    p.add_argument("--cpu-packed-weights", default=None, action=argparse.BooleanOptionalAction,
+                   help="CPU GEMMs on a packed copy of the weights, more memory (default: on, or "
+                        "SWITCHYARD_CPU_PACKED_WEIGHTS)")
+    p.add_argument("--cpu-decode-step", default=None, action=argparse.BooleanOptionalAction,
+                   help="decode steps through one native call for all layers (default: on, or "
+                        "SWITCHYARD_CPU_DECODE_STEP)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--log-level", default="info")
 

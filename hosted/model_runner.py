@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 
 import torch
@@ -13,7 +12,7 @@ from hosted.layers.attention import AttentionMetadata
 from hosted.loader import load_model, torch_dtype
 from hosted.scheduler import ScheduledBatch
 from hosted.sequence import Sequence
-from kernels import ops
+from kernels import ops, switches
 
 log = logging.getLogger(__name__)
 
@@ -46,12 +45,16 @@ class ModelRunner:
                              "(the Triton attention kernels take a cache of the model's dtype); use auto")
         self.block_size = config.block_size
         self.captured_items: list[tuple[Sequence, int, int]] = []  # (seq, first position, rows) per captured item
-        self.kernels = ops.select(self.device)  # the kernel backend, decided once for this model
+        if config.cpu_native is not None:  # the native library is the process's: built once, as configured
+            switches.configure(cpu_native=config.cpu_native)
+        defaults = switches.current()
+        self.kernels = ops.select(self.device, config.kernels)  # the kernel backend, decided once for this model
         self.model = load_model(config.model_dir, model_config, self.dtype, self.device,
                                 config.quantization, config.quantization_group_size, self.kernels)
         if self.device.type == "cpu":
             cpu_memory.tune_process_for(self.model)  # before packing: packed linears keep data pointers
-        if self.device.type == "cpu" and os.environ.get("SWITCHYARD_CPU_PACKED_WEIGHTS", "1") != "0":
+        packed = config.cpu_packed_weights if config.cpu_packed_weights is not None else defaults.cpu_packed_weights
+        if self.device.type == "cpu" and packed:
             # CPU GEMMs with the weights packed once (more memory: a second copy of each weight). Beside
             # quantized decoder layers the lm_head (a fifth of SmolLM2's weights) is read as int8 too.
             int8_head = config.quantize_head if config.quantize_head is not None else self.model.is_quantized()
@@ -62,8 +65,9 @@ class ModelRunner:
                                           model_config.rope_scaling, self.device)
         self.num_blocks = self._pool_blocks(max_model_len)
         self._allocate_kv_cache()
-        # Decode-only steps through one native call for all layers (CPU, packed weights); =0 for the per-op loop.
-        if os.environ.get("SWITCHYARD_CPU_DECODE_STEP", "1") != "0" and self.model.bind_decode_step(self.cos_sin):
+        # Decode-only steps through one native call for all layers (CPU, packed weights); off: the per-op loop.
+        step = config.cpu_decode_step if config.cpu_decode_step is not None else defaults.cpu_decode_step
+        if step and self.model.bind_decode_step(self.cos_sin):
             log.info("decode steps: native layer loop")
 
     # ---- KV pool ----------------------------------------------------------------------------------

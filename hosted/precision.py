@@ -19,7 +19,6 @@ with group size 32 takes a Q4 file's own blocks.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -121,8 +120,10 @@ def missing_bf16_kernels() -> str | None:
 
 
 def _missing_native(feature: int, what: str) -> str | None:
-    if os.environ.get("SWITCHYARD_CPU_PACKED_WEIGHTS", "1") == "0":  # as hosted/model_runner.py reads it
-        return "SWITCHYARD_CPU_PACKED_WEIGHTS=0"
+    from kernels import switches
+
+    if not switches.current().cpu_packed_weights:  # the process's switch, as hosted/model_runner.py's default
+        return "packed CPU weights off (SWITCHYARD_CPU_PACKED_WEIGHTS=0 or cpu_packed_weights)"
     from kernels import cpu_lowp, cpu_native
 
     if cpu_lowp.features() & feature:

@@ -28,11 +28,11 @@ from triton.backends.compiler import GPUTarget
 from triton.runtime import driver as driver_mod
 from triton.runtime.jit import JITFunction
 
-# Heuristic GEMV tiles (the autotuner benchmarks on a device); its candidates are compiled separately.
-os.environ["SWITCHYARD_KERNEL_AUTOTUNE"] = "0"
-
-from kernels import reference, triton_attention, triton_pointwise, triton_quant
+from kernels import reference, switches, triton_attention, triton_pointwise, triton_quant
 from kernels import triton_ops as tk
+
+# Heuristic GEMV tiles (the autotuner benchmarks on a device); its candidates are compiled separately.
+switches.configure(kernel_autotune=False)
 
 # Max dynamic shared memory per block (bytes) by SM version; a kernel above it would fail to launch.
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}

@@ -13,7 +13,8 @@ The source is compiled with the system C compiler (`$CC`, else cc/gcc/clang) at 
 under `$SWITCHYARD_CACHE_DIR` (default `$XDG_CACHE_HOME/switchyard` or `~/.cache/switchyard`), keyed by the
 source, the compiler and the CPU, so a shared home across machines never loads a build for another CPU.
 If anything fails (no compiler, old compiler, unsupported shape) the callers fall back to the torch
-reference; `SWITCHYARD_CPU_NATIVE=0` turns the native path off. kernels.ops decides when to call it.
+reference; the `cpu_native` switch (kernels/switches.py; SWITCHYARD_CPU_NATIVE=0) turns the native path off.
+kernels.ops decides when to call it.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels import native_interface
+from kernels import native_interface, switches
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +54,9 @@ _FLAGS = ["-O3", "-shared", "-fPIC", "-std=gnu11"]
 def _variants() -> tuple[list[str], ...]:
     """Tried in order: OpenMP shares torch's threads; -march=native enables AVX-512 or AVX2 (the vector code
     also builds without it, slower); a compiler lacking one of them still gets a working library.
-    SWITCHYARD_CPU_MARCH names another target (x86-64-v3: the AVX2 kernels on a machine with AVX-512, for a
-    fleet of mixed machines sharing one cache, or to test them)."""
-    march = f"-march={os.environ.get('SWITCHYARD_CPU_MARCH', '').strip() or 'native'}"
+    The `cpu_march` switch (SWITCHYARD_CPU_MARCH) names another target (x86-64-v3: the AVX2 kernels on a machine
+    with AVX-512, for a fleet of mixed machines sharing one cache, or to test them)."""
+    march = f"-march={switches.current().cpu_march.strip() or 'native'}"
     vendor = ["-DSY_PREFETCH_INTEL"] if _cpu_vendor() == "GenuineIntel" else []  # prefetch hints (cpu_lowp.c)
     return ([march, "-fopenmp", *vendor], [march, *vendor], ["-fopenmp", *vendor], vendor)
 
@@ -74,24 +75,29 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}  # "lib": CDLL | None once resolved, "why": reason when None
 
 
-def _switched_on(name: str) -> bool:
-    """An on/off environment switch, on unless set to 0 / false / no / off."""
-    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
-
-
 def enabled() -> bool:
-    return _switched_on("SWITCHYARD_CPU_NATIVE")
+    return switches.current().cpu_native
 
 
 def amx_enabled() -> bool:
-    """SWITCHYARD_CPU_AMX=0 keeps the bf16 projections off AMX tiles (cpu_amx.c) where the CPU has them."""
-    return _switched_on("SWITCHYARD_CPU_AMX")
+    """The cpu_amx switch off (SWITCHYARD_CPU_AMX=0) keeps the bf16 projections off AMX tiles (cpu_amx.c) where
+    the CPU has them."""
+    return switches.current().cpu_amx
 
 
 def reset() -> None:
-    """Forget the resolved library (tests flip SWITCHYARD_CPU_NATIVE and re-resolve)."""
+    """Forget the resolved library (resolved again on next use)."""
     with _lock:
         _state.clear()
+
+
+def _on_switches(before: switches.Switches, after: switches.Switches) -> None:
+    """A change of the switches the library depends on: resolve it again (built for the new target, or none)."""
+    if (before.cpu_native, before.cpu_amx, before.cpu_march) != (after.cpu_native, after.cpu_amx, after.cpu_march):
+        reset()
+
+
+switches.on_change(_on_switches)
 
 
 def library() -> ctypes.CDLL | None:
@@ -114,7 +120,7 @@ def unavailable_reason() -> str | None:
 
 def _resolve() -> tuple[ctypes.CDLL | None, str]:
     if not enabled():
-        return None, "SWITCHYARD_CPU_NATIVE=0"
+        return None, "SWITCHYARD_CPU_NATIVE=0 (the cpu_native switch is off)"
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if not compiler:
         return None, "no C compiler found (set CC)"

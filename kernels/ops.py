@@ -1,18 +1,19 @@
 """The only kernel entry points the engine calls: one dispatch layer over Triton, the native CPU kernels and
 the torch reference, decided once per device.
 
-`select(device)` returns a `Kernels`: the entry points of one backend, chosen from the environment when it is
-called. The engine calls it once, when its model runner is built, and its layers hold the result, so no
-kernel call looks at the environment. The module-level functions of the same names choose per call (from
-their tensors' device and the environment as it is then): for tests, benchmarks and one-off use.
+`select(device, mode)` returns a `Kernels`: the entry points of one backend. The engine calls it once, when its
+model runner is built, and its layers hold the result. `mode` defaults to the process's `kernels` switch
+(kernels/switches.py: the engine's config, or the SWITCHYARD_KERNELS override read once at start); nothing here
+reads the environment. The module-level functions of the same names choose per call (from their tensors' device
+and the switch): for tests, benchmarks and one-off use.
 
-Backends (SWITCHYARD_KERNELS):
+Backends (the `kernels` switch, `mode`):
   unset/"auto":  CUDA -> "triton" (when triton imports, else "reference"); CPU -> "cpu": the compiled CPU
                  kernels of kernels/cpu_native.py where they apply (decode attention; fp32 rotary, KV write,
                  RMSNorm, SiLU-and-multiply, the prepacked panel GEMM and the few-row GEMV), else the
                  plain-torch reference (vectorised; the rest of the engine's CPU path).
   "triton":      Triton always (on CPU this needs TRITON_INTERPRET=1 and is slow).
-  "reference":   the reference always (SWITCHYARD_CPU_NATIVE=0 only turns the native CPU kernels off).
+  "reference":   the reference always (the cpu_native switch off only turns the native CPU kernels off).
 
 Layouts: see kernels/reference.py (KV cache [num_blocks, block_size, num_kv_heads, head_dim]).
 """
@@ -28,31 +29,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels import cpu_decode, cpu_lowp, cpu_native, reference
-
-_MODES = ("auto", "triton", "reference")
-_ENV_VAR = "SWITCHYARD_KERNELS"
-# os.environ's own backing dict, looked up directly: ~30x cheaper than os.environ.get (the module-level
-# entry points look per call). monkeypatch.setenv and os.environ[...] = ... update it as well.
-try:
-    _ENV_DATA, _ENV_KEY = os.environ._data, os.environ.encodekey(_ENV_VAR)  # type: ignore[attr-defined]
-except AttributeError:  # an os.environ without these internals: use the public API
-    _ENV_DATA, _ENV_KEY = os.environ, _ENV_VAR
-_parsed: list = [None, "auto"]  # [raw value, mode]: parsed again only when the value changes
+from kernels import cpu_decode, cpu_lowp, cpu_native, reference, switches
 
 
 def backend_mode() -> str:
-    raw = _ENV_DATA.get(_ENV_KEY)
-    if raw is None:
-        return "auto"
-    if raw == _parsed[0]:
-        return _parsed[1]
-    text = raw.decode() if isinstance(raw, bytes) else raw
-    mode = text.strip().lower() or "auto"
-    if mode not in _MODES:
-        raise ValueError(f"SWITCHYARD_KERNELS={mode!r} is not one of {', '.join(_MODES)}")
-    _parsed[:] = [raw, mode]
-    return mode
+    """The process's `kernels` switch (kernels/switches.py)."""
+    return switches.current().kernels
 
 
 _loaded: dict[str, object] = {}  # "module": kernels.triton_ops or None, "interpret": mode it was built in
@@ -112,10 +94,15 @@ class Kernels:
 _selected: dict[tuple[str, bool, bool], Kernels] = {}
 
 
-def select(device: torch.device | str) -> Kernels:
-    """The backend for tensors on `device`, as SWITCHYARD_KERNELS and TRITON_INTERPRET say now."""
+def select(device: torch.device | str, mode: str | None = None) -> Kernels:
+    """The backend for tensors on `device` in `mode` (auto | triton | reference; default: the process's `kernels`
+    switch), as TRITON_INTERPRET says now."""
     cuda = torch.device(device).type == "cuda"
-    key = (backend_mode(), cuda, _interpret_env())
+    if mode is None:
+        mode = switches.current().kernels
+    elif mode not in switches.MODES:
+        raise ValueError(f"kernels mode {mode!r} is not one of {', '.join(switches.MODES)}")
+    key = (mode, cuda, _interpret_env())
     kernels = _selected.get(key)
     if kernels is None:
         kernels = _selected[key] = _choose(key[0], cuda)
@@ -132,9 +119,9 @@ def _choose(mode: str, cuda: bool) -> Kernels:
         return _triton_kernels(module) if module is not None else REFERENCE
     module = _triton_module()  # mode == "triton"
     if module is None:
-        raise RuntimeError("SWITCHYARD_KERNELS=triton but triton is not importable")
+        raise RuntimeError("kernels=triton (SWITCHYARD_KERNELS) but triton is not importable")
     if not cuda and not _interpret_env():
-        raise RuntimeError("SWITCHYARD_KERNELS=triton with CPU tensors needs TRITON_INTERPRET=1")
+        raise RuntimeError("kernels=triton (SWITCHYARD_KERNELS) with CPU tensors needs TRITON_INTERPRET=1")
     return _triton_kernels(module)
 
 

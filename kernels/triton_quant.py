@@ -11,12 +11,12 @@ Weights stay quantized in memory and are dequantized in registers. Two kernels p
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels import switches
 from kernels import triton_common as tc
 from kernels.reference import INT4_GROUP_SIZES
 from kernels.triton_common import mma
@@ -201,8 +201,9 @@ def _int4_mm_kernel(
 
 def autotune_enabled() -> bool:
     """GEMV tile shapes are autotuned per (N, K) on a real GPU (first call per shape benchmarks the
-    candidates); SWITCHYARD_KERNEL_AUTOTUNE=0 or the interpreter use the heuristic table instead."""
-    return not tc.interpreting() and os.environ.get("SWITCHYARD_KERNEL_AUTOTUNE", "1") != "0"
+    candidates); the kernel_autotune switch off (kernels/switches.py, SWITCHYARD_KERNEL_AUTOTUNE=0) or the
+    interpreter use the heuristic table instead."""
+    return not tc.interpreting() and switches.current().kernel_autotune
 
 
 def gemv_configs() -> list[triton.Config]:

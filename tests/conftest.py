@@ -73,3 +73,14 @@ def migrated_db_url(db_url: str) -> str:
 
     upgrade(db_url)
     return db_url
+
+
+@pytest.fixture
+def kernel_switches():
+    """`configure(**switches)` for the process's kernel switches (kernels/switches.py: backend, native kernels,
+    AMX, -march, packed weights, the native decode step), restored after the test. Tests pass a mode this way,
+    not through the environment (read once per process)."""
+    from kernels import switches
+
+    with switches.using():
+        yield switches.configure

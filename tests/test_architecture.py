@@ -29,6 +29,7 @@ HOSTED_KERNELS = {
     "cpu_lowp": "`LowpStrips`: bf16 / int8 / int4 weights packed once per layer; the CPU features precision reads",
     "cpu_decode": "`DecodeStep` and its per-layer weights: a decode step's layer loop in one native call",
     "huge_pages": "packed weights and the KV pool placed on 2 MiB pages",
+    "switches": "the process's kernel switches, set from EngineConfig at start (environment overrides read once)",
 }
 # Inside the gateway the request path runs one way: app -> proxy -> routing / shadow -> backends / ledger.
 # A module may import its own layer and those below it, never one above (type-only imports included).

@@ -77,11 +77,11 @@ def test_full_precision_checkpoints_keep_float32(tiny, tiny_model_dirs):
     assert "not quantized" in _choose(write("f16.gguf", QT.F16)).reason
 
 
-def test_no_native_bf16_kernels_or_a_gpu_keep_float32(tiny, monkeypatch):
+def test_no_native_bf16_kernels_or_a_gpu_keep_float32(tiny, kernel_switches):
     q4 = tiny[1]("Q4_0.gguf", QT.Q4_0)
     chosen = _choose(q4, "cuda")
     assert chosen.weights == "float32" and "measured on CPUs only" in chosen.reason
-    monkeypatch.setenv("SWITCHYARD_CPU_PACKED_WEIGHTS", "0")  # bf16 through torch
+    kernel_switches(cpu_packed_weights=False)  # bf16 through torch
     chosen = _choose(q4)
     assert chosen.weights == "float32" and "SWITCHYARD_CPU_PACKED_WEIGHTS=0" in chosen.reason
 

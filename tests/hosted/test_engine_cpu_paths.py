@@ -2,27 +2,29 @@
 
 The paths: the native kernels with prepacked weights (the default: decode-only steps run every layer in one
 native call, kernels/cpu_decode.py), the same with the per-op decode loop, the native kernels with plain weights,
-no native kernels (SWITCHYARD_CPU_NATIVE=0: torch reference attention, oneDNN-only packed linears) and
-the plain reference (SWITCHYARD_KERNELS=reference). head_dim 64 takes the register-tiled native decode
+no native kernels (cpu_native=False: torch reference attention, oneDNN-only packed linears) and
+the plain reference (kernels="reference"): EngineConfig's kernel switches. head_dim 64 takes the register-tiled native decode
 attention (query-head groups of 3 per KV head, as in SmolLM); Qwen2's QKV bias goes through the packed
 linear with a bias.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from hosted.engine import SamplingParams
-from kernels import cpu_native
+from kernels import cpu_native, switches
 
 PROMPTS = [[5, 6, 7, 8, 9], [3], [(i * 37) % 300 + 10 for i in range(45)], list(range(40, 61))]
 NEW_TOKENS = 10
 PATHS = {
     "native+packed (decode steps in one native call)": {},
-    "native+packed, per-op decode loop": {"SWITCHYARD_CPU_DECODE_STEP": "0"},
-    "native, unpacked weights": {"SWITCHYARD_CPU_PACKED_WEIGHTS": "0"},
-    "no native kernels": {"SWITCHYARD_CPU_NATIVE": "0"},
-    "reference": {"SWITCHYARD_KERNELS": "reference"},
+    "native+packed, per-op decode loop": {"cpu_decode_step": False},
+    "native, unpacked weights": {"cpu_packed_weights": False},
+    "no native kernels": {"cpu_native": False},
+    "reference": {"kernels": "reference"},
 }
 
 
@@ -58,24 +60,21 @@ def _hf_greedy(model, prompt: list[int]) -> list[int]:
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_every_cpu_path_matches_transformers(kind, head64_dirs, make_engine, monkeypatch):
+def test_every_cpu_path_matches_transformers(kind, head64_dirs, make_engine, kernel_switches):
     model_dir, hf = head64_dirs[kind]
     want = [_hf_greedy(hf, p) for p in PROMPTS]
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    for path, env in PATHS.items():
-        for var in ("SWITCHYARD_CPU_PACKED_WEIGHTS", "SWITCHYARD_CPU_NATIVE", "SWITCHYARD_KERNELS",
-                    "SWITCHYARD_CPU_DECODE_STEP"):
-            monkeypatch.delenv(var, raising=False)
-        for var, value in env.items():
-            monkeypatch.setenv(var, value)
+    for path, fields in PATHS.items():
+        kernel_switches(**dataclasses.asdict(switches.Switches()))  # each path from the defaults
         cpu_native.reset()
         # A small token budget: chunked prefill mixed with decodes in the same steps.
-        engine = make_engine(model_dir, max_num_batched_tokens=24)
+        engine = make_engine(model_dir, max_num_batched_tokens=24, **fields)
         assert engine.generate(PROMPTS, params) == want, path
     cpu_native.reset()
 
 
-def test_bf16_prefill_native_as_close_to_transformers_as_the_reference(head64_dirs, make_engine, monkeypatch):
+def test_bf16_prefill_native_as_close_to_transformers_as_the_reference(head64_dirs, make_engine, monkeypatch,
+                                                                       kernel_switches):
     """A bf16 model's prefill on the native path (attention on AMX tiles where the CPU has them; RMSNorm, rotary
     and SiLU-and-multiply in kernels/cpu_bf16_rows.c) against transformers in bf16, next to the torch reference
     path's own distance from it: bf16 rounds differently with every op order, so no closer bound is owed."""
@@ -99,12 +98,10 @@ def test_bf16_prefill_native_as_close_to_transformers_as_the_reference(head64_di
 
     monkeypatch.setattr(cpu_native, "_amx_prefill_attention", counted)
     distance = {}
-    for path, env in (("native", {}), ("reference", {"SWITCHYARD_KERNELS": "reference"})):
-        monkeypatch.delenv("SWITCHYARD_KERNELS", raising=False)
-        for var, value in env.items():
-            monkeypatch.setenv(var, value)
+    for path, fields in (("native", {}), ("reference", {"kernels": "reference"})):
+        kernel_switches(**dataclasses.asdict(switches.Switches()))
         cpu_native.reset()
-        logits = full_prompt_logits(make_engine(model_dir, dtype="bfloat16"), prompt)
+        logits = full_prompt_logits(make_engine(model_dir, dtype="bfloat16", **fields), prompt)
         agree = (logits.argmax(-1) == ref.argmax(-1)).float().mean().item()
         distance[path] = ((logits - ref).abs().max().item(), agree)
     cpu_native.reset()

@@ -68,8 +68,7 @@ def tied_dir(tmp_path_factory):
 
 def _run(make_engine, model_dir: str, monkeypatch, native: bool, **kw):
     """Greedy continuations of PROMPTS and the logits of every decode-only step, in step order."""
-    monkeypatch.setenv("SWITCHYARD_CPU_DECODE_STEP", "1" if native else "0")
-    engine = make_engine(model_dir, max_num_batched_tokens=256, **kw)
+    engine = make_engine(model_dir, max_num_batched_tokens=256, cpu_decode_step=native, **kw)
     assert (engine.runner.model.decode_step is not None) == native
     if native:  # the step runs the final norm and the head too, at every precision here
         assert engine.runner.model.decode_step.has_head
@@ -115,14 +114,12 @@ def test_native_step_bf16_is_as_close_to_fp32_as_the_per_op_loop(head64_dir, mak
 
 
 def test_native_step_is_off_without_packed_weights(head64_dir, make_engine, monkeypatch):
-    monkeypatch.setenv("SWITCHYARD_CPU_PACKED_WEIGHTS", "0")
-    engine = make_engine(head64_dir)
+    engine = make_engine(head64_dir, cpu_packed_weights=False)
     assert engine.runner.model.decode_step is None  # the per-op loop serves it (checked by test_engine_cpu_paths)
 
 
 def test_native_step_rejects_bad_inputs_before_writing(head64_dir, make_engine, monkeypatch):
-    monkeypatch.setenv("SWITCHYARD_CPU_DECODE_STEP", "1")
-    engine = make_engine(head64_dir, num_kv_blocks=8)
+    engine = make_engine(head64_dir, num_kv_blocks=8, cpu_decode_step=True)
     runner = engine.runner
     step = runner.model.decode_step
     hidden = torch.randn(2, 192)
@@ -154,8 +151,7 @@ def test_native_step_rejects_bad_inputs_before_writing(head64_dir, make_engine, 
 def test_native_step_without_a_head_refuses_logits(head64_dir, make_engine, monkeypatch):
     """A head the kernels cannot take (here: left unpacked) leaves the plan without one: the layers still run
     natively, the model projects in Python, and asking the step for logits is refused."""
-    monkeypatch.setenv("SWITCHYARD_CPU_DECODE_STEP", "1")
-    engine = make_engine(head64_dir, max_num_batched_tokens=256)
+    engine = make_engine(head64_dir, max_num_batched_tokens=256, cpu_decode_step=True)
     model = engine.runner.model
     full = model.decode_step
     want = engine.generate(PROMPTS, PARAMS)

@@ -321,8 +321,8 @@ def test_tokenizer_from_metadata_encodes_like_the_original(tmp_path, tiny_hf, ti
 
 # ----------------------------------------------------------------------------- Q4 blocks -> our int4
 @pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1], ids=lambda q: q.name)
-def test_q4_blocks_map_exactly_onto_int4_group_32(qtype, tmp_path, tiny_hf, tiny_tokenizer, monkeypatch):
-    monkeypatch.setenv("SWITCHYARD_CPU_PACKED_WEIGHTS", "0")  # weight-only math (the VNNI path rounds activations)
+def test_q4_blocks_map_exactly_onto_int4_group_32(qtype, tmp_path, tiny_hf, tiny_tokenizer, kernel_switches):
+    kernel_switches(cpu_packed_weights=False)  # weight-only math (the VNNI path rounds activations)
     path = write_gguf(tmp_path / f"tiny-{qtype.name}.gguf", tiny_hf, tiny_tokenizer, qtype)
     ref = _reference(tiny_hf, qtype)
     engine = _engine(path, quantization="int4", quantization_group_size=32)

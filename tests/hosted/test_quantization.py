@@ -112,10 +112,10 @@ def _dequantized_checkpoint(src: str, dst: Path, scheme: str, group_size: int) -
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 @pytest.mark.parametrize("scheme,group_size", [("int8", 128), ("int4", 128), ("int4", 32)])
 def test_quantized_engine_equals_fp32_engine_on_dequantized_weights(model_dirs, tmp_path, kind, scheme,
-                                                                    group_size, monkeypatch):
+                                                                    group_size, kernel_switches):
     # The weight-only path (no packed native GEMMs, which also round activations to int8 and the lm_head:
     # test_native_low_precision_path_close_to_the_weight_only_one covers those).
-    monkeypatch.setenv("SWITCHYARD_CPU_PACKED_WEIGHTS", "0")
+    kernel_switches(cpu_packed_weights=False)
     prompts = _prompts(8, seed=1)
     quant = _next_token_logits(_engine(model_dirs[kind], quantization=scheme, quantization_group_size=group_size),
                                prompts)
@@ -126,7 +126,7 @@ def test_quantized_engine_equals_fp32_engine_on_dequantized_weights(model_dirs, 
 
 
 @pytest.mark.parametrize("scheme,group_size", [("int8", 128), ("int4", 32), ("int4", 128)])
-def test_native_low_precision_path_close_to_the_weight_only_one(model_dirs, scheme, group_size, monkeypatch):
+def test_native_low_precision_path_close_to_the_weight_only_one(model_dirs, scheme, group_size, kernel_switches):
     """The packed VNNI GEMMs (activations rounded to int8 per block of 32, lm_head int8) against the same
     quantized weights through the torch reference (activations and head in fp32)."""
     from kernels import cpu_lowp
@@ -139,7 +139,7 @@ def test_native_low_precision_path_close_to_the_weight_only_one(model_dirs, sche
     assert type(layer.packed).__name__ == ("Int8Strips" if scheme == "int8" else "Int4Strips")
     assert type(native_engine.runner.model.lm_head.packed).__name__ == "Int8Strips"
     native = _next_token_logits(native_engine, prompts)
-    monkeypatch.setenv("SWITCHYARD_CPU_PACKED_WEIGHTS", "0")
+    kernel_switches(cpu_packed_weights=False)
     weight_only = _next_token_logits(_engine(model_dirs["llama"], quantization=scheme,
                                              quantization_group_size=group_size), prompts)
     m = _compare(weight_only, native)
@@ -368,7 +368,7 @@ def _tokens_and_logits(engine: LLMEngine) -> tuple[list[list[int]], torch.Tensor
 
 
 @pytest.mark.timeout(240)
-def test_quantized_engine_through_the_triton_kernels_under_the_interpreter(model_dirs, monkeypatch):
+def test_quantized_engine_through_the_triton_kernels_under_the_interpreter(model_dirs, kernel_switches):
     """The Triton int8/int4 matmuls (tiled for the 6-token prefill, GEMV for decode) inside the engine, run
     by the Triton interpreter: same tokens and logits as the reference path (weight-only: the CPU's packed
     VNNI GEMMs also round activations)."""
@@ -381,7 +381,7 @@ def test_quantized_engine_through_the_triton_kernels_under_the_interpreter(model
     except Exception as exc:  # noqa: BLE001 - any import failure means the path is not there
         pytest.skip(f"kernels Triton path not importable: {exc}")
     env = {**os.environ, "SWITCHYARD_KERNELS": "triton", "TRITON_INTERPRET": "1"}
-    monkeypatch.setenv("SWITCHYARD_CPU_PACKED_WEIGHTS", "0")
+    kernel_switches(cpu_packed_weights=False)
     proc = subprocess.run([sys.executable, "-c", _TRITON_SCRIPT, model_dirs["llama"]], check=False, env=env,
                           capture_output=True, text=True, timeout=220)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -4,25 +4,24 @@ block on a given number of torch (OpenMP) threads."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import shutil
 from collections.abc import Iterator
 
 import pytest
 import torch
 
-from kernels import cpu_native
+from kernels import cpu_native, switches
 
 HAVE_COMPILER = any(shutil.which(c) for c in ("cc", "gcc", "clang"))
 needs_compiler = pytest.mark.skipif(not HAVE_COMPILER, reason="no C compiler on this machine: the native path is off")
 
 
 @pytest.fixture(autouse=True)
-def native_on(monkeypatch):
-    monkeypatch.delenv("SWITCHYARD_CPU_NATIVE", raising=False)
-    monkeypatch.delenv("SWITCHYARD_KERNELS", raising=False)
-    monkeypatch.delenv("SWITCHYARD_CPU_MARCH", raising=False)
-    cpu_native.reset()
-    yield
+def native_on():
+    with switches.using(**dataclasses.asdict(switches.Switches())):  # the defaults, whatever the environment said
+        cpu_native.reset()
+        yield
     cpu_native.reset()
 
 

@@ -78,9 +78,9 @@ BF16_SHAPES = [*SHAPES, (17, 70, 96), (33, 200, 64), (20, 40, 50), (300, 100, 96
 
 
 @pytest.fixture(params=[False, True], ids=["strips", "amx"])
-def amx(request, monkeypatch):
+def amx(request, kernel_switches):
     """The bf16 kernels with AMX tiles off (the AVX512-BF16 / AVX2 strips) and on (where the CPU has them)."""
-    monkeypatch.setenv("SWITCHYARD_CPU_AMX", "1" if request.param else "0")
+    kernel_switches(cpu_amx=request.param)
     cpu_native.reset()
     if request.param:
         _need(cpu_lowp.FEATURE_AMX_BF16)
@@ -112,13 +112,13 @@ def _cpu_flags() -> set[str]:
 
 
 @pytest.mark.parametrize("march,features", [("x86-64-v3", 3), ("x86-64-v2", 0)])
-def test_each_instruction_set_build_matches_the_reference(march, features, monkeypatch):
+def test_each_instruction_set_build_matches_the_reference(march, features, kernel_switches):
     """Builds for other targets than this machine's -march=native: x86-64-v3 (what a machine without AVX-512
     runs: the AVX2 strip GEMMs, panel tile and attention tiles) and x86-64-v2 (no strip kernels: the torch
     reference serves the low-precision layers)."""
     if "avx2" not in _cpu_flags() or "fma" not in _cpu_flags():
         pytest.skip("this CPU cannot run the x86-64-v3 build")
-    monkeypatch.setenv("SWITCHYARD_CPU_MARCH", march)
+    kernel_switches(cpu_march=march)
     cpu_native.reset()
     assert cpu_lowp.features() == features
     torch.manual_seed(5)
@@ -180,8 +180,8 @@ def test_shapes_the_kernels_do_not_take_fall_back():
     assert cpu_lowp.make_int4(packed.to(torch.int16), scales, zeros, 32) is None  # not packed nibbles
 
 
-def test_disabled_native_library_gives_no_strips(monkeypatch):
-    monkeypatch.setenv("SWITCHYARD_CPU_NATIVE", "0")
+def test_disabled_native_library_gives_no_strips(kernel_switches):
+    kernel_switches(cpu_native=False)
     cpu_native.reset()
     assert cpu_lowp.features() == 0
     q, s = reference.quantize_int8(torch.randn(32, 64))

@@ -128,11 +128,11 @@ def test_prefill_matches_dense(cache_dtype, num_kv_heads, group, head_dim, threa
                                rtol=1e-5)
 
 
-def _amx_tiles(on: bool, monkeypatch) -> None:
+def _amx_tiles(on: bool, kernel_switches) -> None:
     """AMX tiles on (skips where the CPU or the OS has none) or off, for the kernels built next."""
     from kernels import cpu_lowp
 
-    monkeypatch.setenv("SWITCHYARD_CPU_AMX", "1" if on else "0")
+    kernel_switches(cpu_amx=on)
     cpu_native.reset()
     if on and not cpu_lowp.features() & cpu_lowp.FEATURE_AMX_BF16:
         pytest.skip("no AMX-BF16 tiles on this CPU / OS")
@@ -141,11 +141,12 @@ def _amx_tiles(on: bool, monkeypatch) -> None:
 @pytest.mark.parametrize("num_kv_heads,group,head_dim", [(3, 3, 64), (1, 4, 32), (2, 2, 128), (1, 1, 96)])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_prefill_bf16_on_amx_tiles_matches_dense(num_kv_heads, group, head_dim, block_size, threads, monkeypatch):
+def test_prefill_bf16_on_amx_tiles_matches_dense(num_kv_heads, group, head_dim, block_size, threads, monkeypatch,
+                                                 kernel_switches):
     # bf16 q over a bf16 cache goes to the tile kernel (bf16 out). Cases as above plus chunk edges (64, 65
     # positions), a prefix longer than a key chunk, and NaN in the slots past every sequence's length: they
     # share blocks with real rows and must never reach an output.
-    _amx_tiles(True, monkeypatch)
+    _amx_tiles(True, kernel_switches)
     cases = [(9, 9), (21, 5), (48, 16), (7, 1), (12, 0), (300, 300), (64, 64), (65, 33), (200, 17)]
     lens, q_lens = [c for c, _ in cases], [n for _, n in cases]
     kv = make_paged_kv(lens, num_kv_heads, head_dim, block_size, torch.bfloat16, seed=head_dim + block_size)
@@ -165,14 +166,14 @@ def test_prefill_bf16_on_amx_tiles_matches_dense(num_kv_heads, group, head_dim, 
     monkeypatch.setattr(cpu_native, "AMX_PREFILL_SCRATCH_BYTES", 300 * num_kv_heads * head_dim * 2)
     with torch_threads(threads):  # V^T scratch for ~one sequence: the batch goes through in several calls
         assert torch.equal(cpu_native.paged_prefill_attention(*args), out)
-    _amx_tiles(False, monkeypatch)  # the fp32 kernel on the same inputs: the same answer within that rounding
+    _amx_tiles(False, kernel_switches)  # the fp32 kernel on the same inputs: the same answer within that rounding
     plain = cpu_native.paged_prefill_attention(*args)
     assert plain is not None and torch.isfinite(plain.float()).all()
     torch.testing.assert_close(out.float(), plain.float(), atol=1e-2, rtol=1e-2)
 
 
-def test_prefill_bf16_on_amx_tiles_rejects_bad_tables_and_leaves_other_shapes(monkeypatch):
-    _amx_tiles(True, monkeypatch)
+def test_prefill_bf16_on_amx_tiles_rejects_bad_tables_and_leaves_other_shapes(kernel_switches):
+    _amx_tiles(True, kernel_switches)
     kv = make_paged_kv([40, 20], 1, 32, 16, torch.bfloat16)
     q = torch.randn(60, 2, 32).bfloat16()
     tables = kv.block_tables.clone()
@@ -371,17 +372,16 @@ def test_silu_and_mul_matches_the_reference(tokens, inter):
     assert torch.equal(ops.silu_and_mul(gate_up_bf16), got_bf16)
 
 
-def test_ops_dispatch_and_switches(monkeypatch):
+def test_ops_dispatch_and_switches(kernel_switches):
     kv = make_paged_kv([21, 6], 1, 16, 4, torch.float32, seed=1)
     q = torch.randn(2, 2, 16)
     args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens, 0.3)
     native = cpu_native.paged_decode_attention(*args)
     assert torch.equal(ops.paged_decode_attention(*args), native)
-    monkeypatch.setenv("SWITCHYARD_KERNELS", "reference")  # forces the plain-torch reference
+    kernel_switches(kernels="reference")  # forces the plain-torch reference
     assert not ops.native_cpu_active(q)
     assert torch.equal(ops.paged_decode_attention(*args), reference.paged_decode_attention(*args))
-    monkeypatch.delenv("SWITCHYARD_KERNELS")
-    monkeypatch.setenv("SWITCHYARD_CPU_NATIVE", "0")
+    kernel_switches(kernels="auto", cpu_native=False)
     cpu_native.reset()
     assert cpu_native.library() is None and not ops.native_cpu_active(q)
     assert cpu_native.paged_decode_attention(*args) is None

@@ -166,11 +166,10 @@ def test_int4_linear_and_bad_group():
         reference.quantize_int4(w, 48)
 
 
-def test_dispatch_modes(monkeypatch):
+def test_dispatch_modes(kernel_switches):
     x = torch.randn(2, 8)
     assert ops.active_backend(x) == "reference"
-    monkeypatch.setenv("SWITCHYARD_KERNELS", "reference")
+    kernel_switches(kernels="reference")
     assert ops.active_backend(x) == "reference"
-    monkeypatch.setenv("SWITCHYARD_KERNELS", "bogus")
     with pytest.raises(ValueError, match="SWITCHYARD_KERNELS"):
-        ops.active_backend(x)
+        kernel_switches(kernels="bogus")

@@ -341,8 +341,8 @@ def test_bf16_tolerance_rejects_bf16_accumulation():
 # --------------------------------------------------------------------------- dispatch
 
 
-def test_ops_forced_to_triton_runs_the_kernels(monkeypatch):
-    monkeypatch.setenv("SWITCHYARD_KERNELS", "triton")
+def test_ops_forced_to_triton_runs_the_kernels(monkeypatch, kernel_switches):
+    kernel_switches(kernels="triton")
     x = torch.randn(3, 64).to(DEV)
     assert ops.active_backend(x) == "triton"
     w = torch.randn(64).to(DEV)
