@@ -119,7 +119,8 @@ class LedgerWriter:
             raise ValueError("max_queue and batch_size must be ≥ 1")
         self.database_url = database_url
         self.spool = Spool(Path(spool_path), self.record_type)
-        self.spool_path, self.replay_path, self.lock_path = self.spool.path, self.spool.replay_path, self.spool.lock_path
+        self.spool_path, self.replay_path = self.spool.path, self.spool.replay_path
+        self.lock_path = self.spool.lock_path
         self.rejected_path = self.spool_path.with_name(self.spool_path.name + ".rejected")
         self.max_queue = max_queue
         self.batch_size = batch_size

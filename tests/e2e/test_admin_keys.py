@@ -22,31 +22,19 @@ import pytest
 
 from gateway import db, keys
 from tests.e2e.conftest import MASTER_KEY, free_port, run_cli, run_gateway, wait_http
+from tests.e2e.policy_builder import litellm, policy
 
-POLICY = """
-backends:
-  chat:
-    kind: litellm
-    model: openai/gpt-4o-mini
-    api_base: {standin}
-    api_key_env: STANDIN_API_KEY
-  embed:
-    kind: litellm
-    model: openai/text-embedding-3-small
-    api_base: {standin}
-    api_key_env: STANDIN_API_KEY
-routes:
-  chatty: {{backend: chat}}
-  vectors: {{backend: embed}}
-  other: {{backend: chat}}
-"""
+
+def policy_text(standin: str) -> str:
+    return policy(backends={"chat": litellm(standin), "embed": litellm(standin, model="openai/text-embedding-3-small")},
+                  routes={"chatty": {"backend": "chat"}, "vectors": {"backend": "embed"}, "other": {"backend": "chat"}})
 REVOKE_WITHIN_S = 1.0  # the promise: every gateway on the database refuses a revoked key within a second
 POLL_S = 0.02
 
 
 @pytest.fixture
 def gateway(standin, tmp_path):
-    with run_gateway(POLICY.format(standin=standin), tmp_path) as running:
+    with run_gateway(policy_text(standin), tmp_path) as running:
         yield running
 
 
@@ -246,7 +234,7 @@ def _stop(process: subprocess.Popen) -> str:
 def test_revoked_key_is_refused_by_every_gateway_on_the_database_within_a_second(standin, pg_url, tmp_path):
     """Regression: a revoked key kept working for up to 30 s (each process's auth cache) on every gateway."""
     policy = tmp_path / "policy.yaml"
-    policy.write_text(POLICY.format(standin=standin))
+    policy.write_text(policy_text(standin))
     db.upgrade(pg_url)
 
     async def make() -> list[tuple[str, keys.KeyInfo]]:
@@ -300,7 +288,7 @@ def _key_file(tmp_path: Path, name: str) -> Path:
 def test_first_start_key_never_reaches_a_piped_stdout(standin, tmp_path):
     """Regression: `serve` printed the generated admin key on stdout even when stdout was a log file or pipe."""
     policy = tmp_path / "policy.yaml"
-    policy.write_text(POLICY.format(standin=standin))
+    policy.write_text(policy_text(standin))
     port = free_port()
     process = _serve(tmp_path, policy, port, database_url=None, master=None, name="pipe")
     key_file, key = _key_file(tmp_path, "pipe"), None
@@ -333,7 +321,7 @@ def _drain(fd: int) -> None:
 
 def test_first_start_key_is_shown_on_a_terminal(standin, tmp_path):
     policy = tmp_path / "policy.yaml"
-    policy.write_text(POLICY.format(standin=standin))
+    policy.write_text(policy_text(standin))
     port = free_port()
     leader, follower = pty.openpty()
     process = _serve(tmp_path, policy, port, database_url=None, master=None, name="tty", stdout=follower,

@@ -6,25 +6,12 @@ import asyncio
 import openai
 
 from tests.e2e.conftest import MASTER_KEY, ledger_rows, run_gateway
+from tests.e2e.policy_builder import engine, fixed, litellm, policy
 
-POLICY = """
-backends:
-  eng:
-    kind: engine
-    model: demo-model
-    api_base: {standin}
-    gpu_hour_usd: 3.6
-  api:
-    kind: litellm
-    model: openai/gpt-4o-mini
-    api_base: {standin}
-    api_key_env: STANDIN_API_KEY
-routes:
-  local:
-    strategy: fixed
-    backend: eng
-    counterfactual: api
-"""
+
+def policy_text(standin: str) -> str:
+    return policy(backends={"eng": engine(standin, gpu_hour_usd=3.6), "api": litellm(standin)},
+                  routes={"local": fixed("eng", counterfactual="api")})
 
 
 async def _traffic(base_url: str) -> int:
@@ -46,7 +33,7 @@ async def _traffic(base_url: str) -> int:
 
 
 def test_every_request_is_in_the_ledger_after_a_graceful_shutdown(db_url, standin, tmp_path):
-    with run_gateway(POLICY.format(standin=standin), tmp_path, database_url=db_url) as gateway:
+    with run_gateway(policy_text(standin), tmp_path, database_url=db_url) as gateway:
         sent = asyncio.run(_traffic(gateway.base_url))
         version = gateway.gw.services.policy_store.current.version
     # No explicit flush: leaving the context shuts the gateway down, which must drain the writer.

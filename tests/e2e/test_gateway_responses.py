@@ -11,22 +11,14 @@ from openai.types.responses import Response, ResponseCompletedEvent, ResponseTex
 from gateway.keys import create_key
 from gateway.testing.standin import standin_stats
 from tests.e2e.conftest import MASTER_KEY, ledger_rows, run_gateway
+from tests.e2e.policy_builder import engine, litellm, policy
 from tests.hosted.serving_helpers import build_tiny_chat_model
 
-POLICY = """
-backends:
-  api:
-    kind: litellm
-    model: openai/gpt-4o-mini
-    api_base: {standin}
-    api_key_env: STANDIN_API_KEY
-    input_usd_per_mtok: 10
-    output_usd_per_mtok: 90
-  local: {{kind: engine, model: small, api_base: "{standin}", gpu_hour_usd: 2.0}}
-routes:
-  hosted: {{backend: api}}
-  engine: {{backend: local}}
-"""
+
+def policy_text(standin: str) -> str:
+    return policy(backends={"api": litellm(standin, input_usd_per_mtok=10, output_usd_per_mtok=90),
+                            "local": engine(standin, model="small", gpu_hour_usd=2.0)},
+                  routes={"hosted": {"backend": "api"}, "engine": {"backend": "local"}})
 TEXT16 = " ".join(f"tok{i}" for i in range(16))
 EVENTS = ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
           *["response.output_text.delta"] * 16, "response.output_text.done", "response.content_part.done",
@@ -35,7 +27,7 @@ EVENTS = ["response.created", "response.in_progress", "response.output_item.adde
 
 @pytest.fixture
 def gateway(standin, tmp_path):
-    with run_gateway(POLICY.format(standin=standin), tmp_path) as running:
+    with run_gateway(policy_text(standin), tmp_path) as running:
         yield running
 
 

@@ -5,21 +5,16 @@ import openai
 import pytest
 
 from tests.e2e.conftest import MASTER_KEY, ledger_rows, run_gateway, tiny_difficulty_model
+from tests.e2e.policy_builder import engine, litellm, policy
 
-POLICY = """
-backends:
-  local: {{kind: engine, model: small, api_base: "{standin}", gpu_hour_usd: 2.0}}
-  api:
-    kind: litellm
-    model: openai/gpt-4o
-    api_base: {standin}
-    api_key_env: STANDIN_API_KEY
-    input_usd_per_mtok: 10
-    output_usd_per_mtok: 90
-routes:
-  auto: {{strategy: difficulty, easy: local, hard: api, threshold: 0.5, model_path: "{model}"}}
-  engine-only: {{backend: local}}
-"""
+
+def policy_text(standin: str, model: object) -> str:
+    return policy(backends={"local": engine(standin, model="small", gpu_hour_usd=2.0),
+                            "api": litellm(standin, model="openai/gpt-4o", input_usd_per_mtok=10,
+                                           output_usd_per_mtok=90)},
+                  routes={"auto": {"strategy": "difficulty", "easy": "local", "hard": "api", "threshold": 0.5,
+                                   "model_path": str(model)},
+                          "engine-only": {"backend": "local"}})
 IMAGE = [{"role": "user", "content": [{"type": "text", "text": "say hi 1"},
                                       {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}]
 
@@ -27,7 +22,7 @@ IMAGE = [{"role": "user", "content": [{"type": "text", "text": "say hi 1"},
 @pytest.fixture
 def gateway(standin, tmp_path):
     tiny_difficulty_model(tmp_path / "m.npz")
-    with run_gateway(POLICY.format(standin=standin, model=tmp_path / "m.npz"), tmp_path) as running:
+    with run_gateway(policy_text(standin, tmp_path / "m.npz"), tmp_path) as running:
         yield running
 
 
