@@ -484,8 +484,10 @@ class _Relay:
         """The request's cost once its usage has arrived (what _finish will price the row at), else None."""
         if not self.tally.complete_usage:
             return None
-        return pricing.request_cost(self.backend.spec, self.tally.usage(), self.tally.device_seconds,
-                                    self.tally.utilisation).total_usd
+        done = Completion({}, self.tally.usage(), self.tally.device_seconds, self.tally.utilisation)
+        if self.services.load.foreign.handles(self.backend.name):  # priced as _finish prices its answer
+            done, _ = _estimated(self.services, self.backend.spec, done, False)
+        return pricing.request_cost(self.backend.spec, done.usage, done.device_seconds, done.utilisation).total_usd
 
     async def finish(self) -> None:
         """Close the upstream, write the ledger row and end the request's time in flight, once."""

@@ -60,12 +60,15 @@ def test_sglang_rows_are_priced_from_its_busy_counter_and_add_up_to_it(tmp_path)
         with ThreadPoolExecutor(len(LENGTHS)) as pool:
             list(pool.map(lambda n: ask(n, stream=n % 2 == 0), LENGTHS))
         later_cost = ask(20)
-        expected = 3 + len(LENGTHS)
+        chunks = list(client.chat.completions.create(model="local", messages=[{"role": "user", "content": "more"}],
+                                                     max_tokens=12, stream=True, stream_options={"include_usage": True}))
+        streamed_cost = chunks[-1].usage.model_extra["cost_usd"]  # the gateway's extra field in the usage chunk
+        expected = 4 + len(LENGTHS)
         rows = settled_rows(gw.config.database_url, expected)
         busy = engine.busy_s
     assert len(rows) == expected
     # the first answer could not be priced yet (no rate learned); later answers carry the learned estimate
-    assert float(first_cost) == 0 and float(later_cost) > 0
+    assert float(first_cost) == 0 and float(later_cost) > 0 and streamed_cost > 0
     for row in rows:
         assert row["backend"] == "sgl" and row["status"] == "ok"
         # settled with its attributed device time, not an estimate (an idle engine's busy fraction may be floored)
