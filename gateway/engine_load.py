@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
 from gateway.backends.llamacpp import HEALTH_PATH, engine_root
 from gateway.backends.llamacpp import parse_metrics as parse_llamacpp_metrics
@@ -36,6 +36,12 @@ log = logging.getLogger("switchyard.engine_load")
 
 SCRAPE_FAILURES = Counter("switchyard_engine_load_scrape_failures", "Failed scrapes of an engine's /metrics",
                           ["backend"])
+# vLLM / SGLang backends (gateway/engine_scrape.py): device time handed to ledger rows, and busy time no row of
+# ours claimed (another client's work on the engine); their sum is the engine's busy time.
+ATTRIBUTED = Gauge("switchyard_engine_attributed_seconds", "Device-seconds attributed to this gateway's requests "
+                   "on a vLLM / SGLang backend since the gateway started", ["backend"])
+UNATTRIBUTED = Gauge("switchyard_engine_unattributed_seconds", "Busy seconds of a vLLM / SGLang backend that no "
+                     "request of this gateway claimed since the gateway started", ["backend"])
 
 _P = "switchyard_engine_"
 _TTFT_BUCKET = _P + "time_to_first_token_seconds_bucket"
@@ -285,6 +291,9 @@ class EngineLoadMonitor:
             waiting=None if scrape.waiting is None else int(scrape.waiting),
             running=None if scrape.running is None else int(scrape.running),
             kv_usage=scrape.kv_usage, busy=attribution.utilisation if attribution else None, observed_at=now)
+        if attribution is not None:
+            ATTRIBUTED.labels(name).set(attribution.attributed_s)
+            UNATTRIBUTED.labels(name).set(attribution.unattributed_s)
         if self.uptime is not None and attribution is not None:
             self.uptime.observe(name, attribution.busy_total_s, started_at=scrape.created)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import openai
 import pytest
 
@@ -66,6 +67,7 @@ def test_sglang_rows_are_priced_from_its_busy_counter_and_add_up_to_it(tmp_path)
         expected = 4 + len(LENGTHS)
         rows = settled_rows(gw.config.database_url, expected)
         busy = engine.busy_s
+        exported = _gauge(httpx.get(gw.root + "/metrics").text, 'switchyard_engine_attributed_seconds{backend="sgl"}')
     assert len(rows) == expected
     # the first answer could not be priced yet (no rate learned); later answers carry the learned estimate
     assert float(first_cost) == 0 and float(later_cost) > 0 and streamed_cost > 0
@@ -80,6 +82,7 @@ def test_sglang_rows_are_priced_from_its_busy_counter_and_add_up_to_it(tmp_path)
         assert row["device_kind"] == "cpu" and row["device_hour_usd"] == HOUR_USD
     attributed = sum(row["gpu_seconds"] for row in rows)
     assert attributed == pytest.approx(busy, rel=0.10), (attributed, busy)
+    assert exported == pytest.approx(attributed)  # what the gateway exports for operators to watch
     uptime = ledger_rows_uptime(gw.config.database_url)
     assert sum(r["busy_seconds"] for r in uptime) == pytest.approx(busy, rel=0.10)
     assert sum(r["seconds"] for r in uptime) >= sum(r["busy_seconds"] for r in uptime)
@@ -121,6 +124,11 @@ def test_rows_are_written_with_the_estimate_when_the_engines_metrics_never_answe
     assert [(r["status"], r["completion_tokens"]) for r in rows] == [("ok", 5), ("ok", 8)]
     # no engine figure and no learned rate yet: $0, and the row says why
     assert all(r["gpu_seconds"] is None and r["cost_usd"] == 0 and r["cost_note"] == "no_device_seconds" for r in rows)
+
+
+def _gauge(text: str, sample: str) -> float:
+    line = next(line for line in text.splitlines() if line.startswith(sample + " "))
+    return float(line.split()[-1])
 
 
 def ledger_rows_uptime(url: str) -> list[dict]:
