@@ -168,8 +168,8 @@ def markdown(result: dict) -> str:
     elif result["crossover_history"] == first:
         lines += ["", f"The host restore was faster at every length measured, down to {first} history tokens."]
     else:
-        lines += ["", f"Recompute wins below {result['crossover_history']} history tokens (the first length where "
-                  "the host restore is faster)."]
+        lines += ["", (f"Recompute wins below {result['crossover_history']} history tokens (the first length where "
+                  "the host restore is faster).")]
     return "\n".join(lines)
 
 

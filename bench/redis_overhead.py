@@ -57,6 +57,16 @@ def _gateway(tmp: Path, name: str, upstream: str, redis_url: str | None, tree: P
     return process, root, key
 
 
+def _script_us(url: str) -> float | None:
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        return client.info("commandstats").get("cmdstat_evalsha", {}).get("usec_per_call")
+    finally:
+        client.close()
+
+
 def _stages(root: str) -> dict[str, float]:
     """Per-stage p50 (us) of the gateway's chat route (SWITCHYARD_STAGE_PROFILE=1: GET /admin/stage-profile)."""
     summary = httpx.get(f"{root}/admin/stage-profile", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
@@ -82,6 +92,7 @@ def main() -> int:
     latencies: dict[str, list[float]] = {name: [] for name, _, _ in sides}
     errors = dict.fromkeys(latencies, 0)
     stages: dict[str, dict] = {}
+    script_us: float | None = None
     with tempfile.TemporaryDirectory() as tmpdir, run_standin(subprocess_mode=True) as upstream, \
             RedisServer() as redis_server:
         tmp = Path(tmpdir)
@@ -100,6 +111,7 @@ def main() -> int:
                     errors[name] += result.errors
             for name, (url, _) in targets.items():  # where the time goes: the gateway's own stage profile
                 stages[name] = _stages(url.split("/v1")[0])
+            script_us = _script_us(redis_server.url)
             for name, on, _ in sides:
                 if on:
                     health = httpx.get(targets[name][0].split("/v1")[0] + "/health", timeout=10).json()
@@ -112,7 +124,8 @@ def main() -> int:
             for name, values in latencies.items()}
     delta = rows["redis on"]["p50_ms"] - rows["redis off"]["p50_ms"]
     payload = {"machine": machine(), "requests_per_round": args.requests, "rounds": args.rounds,
-               "concurrency": 1, "results": rows, "p50_delta_ms": delta, "target_p50_delta_ms": 0.3}
+               "concurrency": 1, "results": rows, "p50_delta_ms": delta, "target_p50_delta_ms": 0.3,
+               "script_us_per_call_in_redis": script_us}
     if args.base:
         payload["base"] = args.base
         payload["base_p50_delta_ms"] = rows[sides[2][0]]["p50_ms"] - rows["redis off"]["p50_ms"]
@@ -123,6 +136,8 @@ def main() -> int:
         print(f"{name:<{width}} {row['p50_ms']:>8.3f} {row['p90_ms']:>8.3f} {row['requests']:>9} "
               f"{row['errors']:>7}")
     print(f"Redis on - off, p50: {delta:+.3f} ms (target <= +0.3 ms)")
+    print(f"the admission script inside Redis: {script_us} us a call (INFO commandstats); the rest of the reserve "
+          "stage is the round trip: the socket, the other process's turn on the CPUs, the reply's parse")
     for stage in ("reserve", "admit", "finish"):
         print(f"stage {stage} p50 us: " + ", ".join(f"{name} {row['stages_p50_us'].get(stage, float('nan')):.0f}"
                                                       for name, row in rows.items()))
