@@ -720,8 +720,10 @@ def _with_id(response: Response, request_id: str) -> Response:
 
 def _answer_headers(response: Response, record: LedgerRecord) -> Response:
     """What a /v1 answer says about itself, as far as it is known: the backend, the route reason and the cost
-    its ledger row records (0 for a failure). The request id: http_edge (the client's own when it sent a sane one)."""
-    response.headers.update(_about(record))
+    its ledger row records (0 for a failure). The request id: http_edge (the client's own when it sent a sane one).
+    Appended as raw pairs: a response made here has none of them yet (half the cost of MutableHeaders' sets)."""
+    response.raw_headers.extend([(name.encode("latin-1"), value.encode("latin-1"))
+                                 for name, value in _about(record).items()])
     return response
 
 
