@@ -2,7 +2,7 @@
 restored from host memory, restored from disk, or recomputed; throughput of the returning turns in each mode; and
 the history length below which recomputing wins. SmolLM2-135M-Instruct at `engine serve`'s default precision.
 
-    python -m bench.kv_tiering                 # ~4 min on 2 CPU cores; bench/results/kv_tiering/<machine>.json
+    python -m bench.kv_tiering --threads 1     # ~5 min on 2 shared CPU cores; bench/results/kv_tiering/<machine>.json
     python -m bench.kv_tiering --conversations 200 --history 2000   # the issue's full size (long)
 
 Each mode runs on a fresh engine: every conversation's first turn (a `--history`-token prompt, one output token)
