@@ -13,32 +13,17 @@ from pydantic import BaseModel
 
 from gateway.testing.standin import standin_stats
 from tests.e2e.conftest import MASTER_KEY, ledger_rows, run_gateway
+from tests.e2e.policy_builder import litellm, policy
 from tests.hosted.serving_helpers import build_tiny_chat_model
 
-POLICY = """
-backends:
-  api:
-    kind: litellm
-    model: openai/gpt-4o-mini
-    api_base: "{standin}"
-    api_key_env: STANDIN_API_KEY
-  emb:
-    kind: litellm
-    model: openai/text-embedding-3-small
-    api_base: "{standin}"
-    api_key_env: STANDIN_API_KEY
-  local:
-    kind: engine
-    launch: embedded
-    model: tiny
-    engine_model_path: {model_dir}
-    engine_args: {{threads: 1, max-num-seqs: 8}}
-    gpu_hour_usd: 2.0
-routes:
-  via-api: {{backend: api}}
-  via-engine: {{backend: local}}
-  embed: {{backend: emb}}
-"""
+
+def policy_text(standin: str, model_dir: object) -> str:
+    embedded = {"kind": "engine", "launch": "embedded", "model": "tiny", "engine_model_path": str(model_dir),
+                "engine_args": {"threads": 1, "max-num-seqs": 8}, "gpu_hour_usd": 2.0}
+    return policy(backends={"api": litellm(standin), "emb": litellm(standin, model="openai/text-embedding-3-small"),
+                            "local": embedded},
+                  routes={"via-api": {"backend": "api"}, "via-engine": {"backend": "local"},
+                          "embed": {"backend": "emb"}})
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
 
 
@@ -69,7 +54,7 @@ def gateway(standin, tmp_path_factory):
     os.environ["STANDIN_API_KEY"] = "sk-standin"
     # a long context: tool definitions and schemas take hundreds of this tokenizer's small tokens
     model_dir = build_tiny_chat_model(tmp_path_factory.mktemp("compat-model"), max_position_embeddings=4096)
-    with run_gateway(POLICY.format(standin=standin, model_dir=model_dir), tmp_path_factory.mktemp("compat")) as gw:
+    with run_gateway(policy_text(standin, model_dir), tmp_path_factory.mktemp("compat")) as gw:
         yield gw
 
 

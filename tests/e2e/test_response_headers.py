@@ -11,28 +11,12 @@ import pytest
 
 from gateway.testing.standin import run_standin, standin_control, standin_stats
 from tests.e2e.conftest import MASTER_KEY, ledger_rows, run_gateway
+from tests.e2e.policy_builder import engine, fixed, litellm, policy
 
-POLICY = """
-backends:
-  api:
-    kind: litellm
-    model: openai/gpt-4o-mini
-    api_base: {ok}
-    api_key_env: STANDIN_API_KEY
-  eng:
-    kind: engine
-    model: demo-model
-    api_base: {ok}
-    gpu_hour_usd: 2.0
-    max_retries: 0
-routes:
-  hosted:
-    strategy: fixed
-    backend: api
-  local:
-    strategy: fixed
-    backend: eng
-"""
+
+def policy_text(ok: str) -> str:
+    return policy(backends={"api": litellm(ok), "eng": engine(ok, gpu_hour_usd=2.0, max_retries=0)},
+                  routes={"hosted": fixed("api"), "local": fixed("eng")})
 MSG = [{"role": "user", "content": "hello there"}]
 ROUTES = [("hosted", "api", "gpt-4o-mini"), ("local", "eng", "demo-model")]
 
@@ -40,7 +24,7 @@ ROUTES = [("hosted", "api", "gpt-4o-mini"), ("local", "eng", "demo-model")]
 @pytest.fixture
 def gateway(tmp_path, monkeypatch):
     monkeypatch.setenv("STANDIN_API_KEY", "sk-standin")
-    with run_standin(engine_extension=True) as ok, run_gateway(POLICY.format(ok=ok), tmp_path) as running:
+    with run_standin(engine_extension=True) as ok, run_gateway(policy_text(ok), tmp_path) as running:
         running.ok_url = ok
         yield running
 
