@@ -150,12 +150,12 @@ class PolicyStore:
         await self._swap(policy, warnings, text, "file")
         return True
 
-    async def adopt(self, policy: Policy, text: str, origin: str) -> bool:
+    async def adopt(self, policy: Policy, text: str, origin: str, warnings: list[str] | None = None) -> bool:
         """Serve a policy another replica read from its file (validated by the caller); its listeners run as for a
         reload. The file watcher goes on: this file's next change is swapped in (and shared) as ever."""
         if self.current is not None and policy.version == self.current.version:
             return False
-        await self._swap(policy, [], text, origin)
+        await self._swap(policy, warnings or [], text, origin)
         return True
 
     def _settled(self, stamp: FileStamp) -> bool:

@@ -20,6 +20,7 @@ import time
 from typing import TYPE_CHECKING
 
 from gateway.policy import Policy, PolicyError, parse_policy
+from gateway.policy_warnings import policy_warnings
 from gateway.shared_state import POLICY_CHANNEL, PREFIX, SharedState
 from gateway.tasks import poll_forever
 
@@ -30,6 +31,13 @@ log = logging.getLogger("switchyard.shared_policy")
 
 POLICY_KEY = f"{PREFIX}:policy"  # hash: version, text, at, replica (POLICY_CHANNEL announces a new one)
 CHECK_S = 1.0
+
+
+def _parse(text: str, source: str) -> tuple[Policy, list[str]]:
+    """In a thread: validate as a file is, and its warnings for this replica (an env var unset here, a model file
+    missing here)."""
+    policy = parse_policy(text, source)
+    return policy, policy_warnings(policy)
 
 
 class SharedPolicy:
@@ -84,7 +92,7 @@ class SharedPolicy:
         if version is None or text is None:
             return
         try:
-            policy: Policy = await asyncio.to_thread(parse_policy, text, str(self._store.path))
+            policy, warnings = await asyncio.to_thread(_parse, text, str(self._store.path))
         except PolicyError as exc:
             self.refused = {"version": version, "replica": replica, "error": str(exc).splitlines()[0][:300]}
             log.error("shared policy: version %s from replica %s does not validate here; still serving %s:\n%s",
@@ -92,7 +100,7 @@ class SharedPolicy:
             return
         self._at = float(at or 0)
         self.shared_version = version
-        await self._store.adopt(policy, text, f"replica {replica}")
+        await self._store.adopt(policy, text, f"replica {replica}", warnings)
 
     async def _changed(self, policy: Policy) -> None:
         """The store's listener: a version read from this replica's file goes to every replica."""
