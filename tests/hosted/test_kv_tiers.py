@@ -277,3 +277,49 @@ def test_batching_preemption_and_tiers_together_match_solo(tiny_model_dirs, make
     assert s.num_preemptions > 0 and s.kv_tiers["host"]["hits"] > 0 and s.kv_tiers["disk"]["hits"] > 0
     for i, p in enumerate(prompts):
         assert got[f"r{i}"] == reference(p), f"request {i} differs"
+
+
+def _two_histories_in_host(make_engine, model):
+    engine = _engine(make_engine, model, kv_host_gb=_gb(64), kv_restore="auto")
+    histories = [_history(11), _history(12)]
+    for i, h in enumerate(histories):
+        _final(engine, f"first{i}", h)
+    engine.block_manager.evict_cached()
+    engine.kv_tiers.flush()
+    return engine, histories
+
+
+def test_auto_recomputes_where_copying_is_slower(tiny_model_dirs, make_engine, reference):
+    engine, histories = _two_histories_in_host(make_engine, tiny_model_dirs["llama"])
+    tiers = engine.kv_tiers
+    # As measured on a machine whose host copies are slower than its prefill: a restore would lose time.
+    tiers.copy_bps["host"] = tiers.bytes_per_block * tiers.prefill_tps / BS / 4
+    got, out = _final(engine, "slow-copy", histories[0] + [30])
+    assert got == reference(histories[0] + [30]) and out.num_restored_host_tokens == 0
+    # And where copying is faster, the same kind of hit is restored.
+    tiers.copy_bps["host"] = tiers.bytes_per_block * tiers.prefill_tps / BS * 4
+    got, out = _final(engine, "fast-copy", histories[1] + [30])
+    assert got == reference(histories[1] + [30]) and out.num_restored_host_tokens == 28
+
+
+def test_one_steps_worth_of_restores_per_step(tiny_model_dirs, make_engine, reference):
+    engine, histories = _two_histories_in_host(make_engine, tiny_model_dirs["llama"])
+    tiers = engine.kv_tiers
+    tiers.restore_policy = "always"
+    tiers.copy_bps["host"] = tiers.bytes_per_block  # one block per second: a step's time copies one block
+    tiers.prefill_tps = engine.config.max_num_batched_tokens
+    assert tiers.restore_blocks_per_step(engine.config.max_num_batched_tokens) == 1
+    prompts = [h + [30] for h in histories]
+    engine.add_request("a", prompts[0], PARAMS)
+    engine.add_request("b", prompts[1], PARAMS)
+    got = {"a": [], "b": []}
+    for o in engine.step():
+        got[o.request_id] += o.new_token_ids
+    # The first restore of a step goes whole; the second waits for the next step.
+    assert [s.request_id for s in engine.scheduler.running] == ["a"]
+    assert [s.request_id for s in engine.scheduler.waiting] == ["b"]
+    while engine.has_unfinished():
+        for o in engine.step():
+            got[o.request_id] += o.new_token_ids
+    assert got == {"a": reference(prompts[0]), "b": reference(prompts[1])}
+    assert engine.stats().kv_tiers["host"]["hits"] == 14
