@@ -11,6 +11,8 @@ from typing import Any
 
 import yaml
 
+from gateway.listen_address import free_port
+
 STANDIN_KEY_ENV = "STANDIN_API_KEY"  # what the `standin` fixture sets
 
 
@@ -22,6 +24,12 @@ def engine(api_base: str, model: str = "demo-model", **fields: Any) -> dict[str,
 def litellm(api_base: str, model: str = "openai/gpt-4o-mini", **fields: Any) -> dict[str, Any]:
     """A litellm-kind backend at `api_base`, its key in $STANDIN_API_KEY."""
     return {"kind": "litellm", "model": model, "api_base": api_base, "api_key_env": STANDIN_KEY_ENV, **fields}
+
+
+def dead(**fields: Any) -> dict[str, Any]:
+    """An engine-kind backend at a port nothing listens on, failing fast (no retry, a 0.5 s connect timeout)."""
+    return engine(f"http://127.0.0.1:{free_port()}/v1", model="nobody",
+                  **{"max_retries": 0, "connect_timeout_s": 0.5, **fields})
 
 
 def fixed(backend: str, **fields: Any) -> dict[str, Any]:

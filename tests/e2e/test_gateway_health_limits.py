@@ -11,48 +11,22 @@ import pytest
 
 from gateway.keys import create_key
 from gateway.testing.standin import standin_control, standin_stats
-from tests.e2e.conftest import MASTER_KEY, free_port, ledger_rows, run_gateway
+from tests.e2e.conftest import MASTER_KEY, ledger_rows, run_gateway
+from tests.e2e.policy_builder import dead, engine, fixed, litellm, policy
 
-POLICY = """
-backends:
-  api:
-    kind: litellm
-    model: openai/gpt-4o-mini
-    api_base: {standin}
-    api_key_env: STANDIN_API_KEY
-    input_usd_per_mtok: 10
-    output_usd_per_mtok: 90
-    failure_threshold: 1
-    max_retries: 0
-  eng:
-    kind: engine
-    model: demo-model
-    api_base: {standin}
-    gpu_hour_usd: 3.6
-    timeout_s: 10
-  dead:
-    kind: engine
-    model: nobody
-    api_base: http://127.0.0.1:{dead_port}/v1
-    max_retries: 0
-    connect_timeout_s: 0.5
-routes:
-  hosted:
-    strategy: fixed
-    backend: api
-  local:
-    strategy: fixed
-    backend: eng
-  broken:
-    strategy: fixed
-    backend: dead
-"""
+
+def policy_text(standin: str) -> str:
+    api = litellm(standin, input_usd_per_mtok=10, output_usd_per_mtok=90, failure_threshold=1, max_retries=0)
+    return policy(backends={"api": api, "eng": engine(standin, gpu_hour_usd=3.6, timeout_s=10), "dead": dead()},
+                  routes={"hosted": fixed("api"), "local": fixed("eng"), "broken": fixed("dead")})
+
+
 OK = [{"role": "user", "content": "one two three"}]
 
 
 @pytest.fixture
 def gateway(standin, tmp_path):
-    with run_gateway(POLICY.format(standin=standin, dead_port=free_port()), tmp_path) as running:
+    with run_gateway(policy_text(standin), tmp_path) as running:
         yield running
 
 
@@ -101,7 +75,7 @@ def test_a_20_mb_body_is_413_before_parsing_and_reaches_no_backend(gateway, stan
 
 def test_the_body_limit_is_configurable(standin, tmp_path, monkeypatch):
     monkeypatch.setenv("SWITCHYARD_MAX_BODY_BYTES", "2000")
-    with run_gateway(POLICY.format(standin=standin, dead_port=free_port()), tmp_path) as gateway:
+    with run_gateway(policy_text(standin), tmp_path) as gateway:
         client = sdk(gateway, max_retries=0)
         assert client.chat.completions.create(model="local", messages=OK, max_tokens=1).usage.completion_tokens == 1
         with pytest.raises(openai.APIStatusError) as err:

@@ -8,50 +8,21 @@ import openai
 import pytest
 
 from gateway.testing.standin import standin_control
-from tests.e2e.conftest import MASTER_KEY, free_port, ledger_rows, run_gateway
+from tests.e2e.conftest import MASTER_KEY, ledger_rows, run_gateway
+from tests.e2e.policy_builder import dead, engine, fixed, litellm, policy
 
-POLICY = """
-backends:
-  eng:
-    kind: engine
-    model: demo-model
-    api_base: {standin}
-    gpu_hour_usd: 3.6
-    gpus: 1
-  api:
-    kind: litellm
-    model: openai/gpt-4o-mini
-    api_base: {standin}
-    api_key_env: STANDIN_API_KEY
-  dead:
-    kind: engine
-    model: nobody
-    api_base: http://127.0.0.1:{dead_port}/v1
-    max_retries: 0
-    connect_timeout_s: 0.5
-routes:
-  local:
-    strategy: fixed
-    backend: eng
-    counterfactual: api
-  gpt-4o-mini:
-    strategy: fixed
-    backend: api
-  failover:
-    strategy: fixed
-    backend: dead
-    fallbacks: [eng]
-    counterfactual: api
-  audited:
-    strategy: fixed
-    backend: eng
-    log_prompts: true
-"""
+
+def policy_text(standin: str) -> str:
+    return policy(backends={"eng": engine(standin, gpu_hour_usd=3.6, gpus=1), "api": litellm(standin),
+                            "dead": dead()},
+                  routes={"local": fixed("eng", counterfactual="api"), "gpt-4o-mini": fixed("api"),
+                          "failover": fixed("dead", fallbacks=["eng"], counterfactual="api"),
+                          "audited": fixed("eng", log_prompts=True)})
 
 
 @pytest.fixture
 def gateway(standin, tmp_path):
-    with run_gateway(POLICY.format(standin=standin, dead_port=free_port()), tmp_path) as running:
+    with run_gateway(policy_text(standin), tmp_path) as running:
         yield running
 
 
