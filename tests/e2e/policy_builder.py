@@ -37,6 +37,12 @@ def fixed(backend: str, **fields: Any) -> dict[str, Any]:
     return {"strategy": "fixed", "backend": backend, **fields}
 
 
+def difficulty(easy: str, hard: str, model_path: object, threshold: float = 0.5, **fields: Any) -> dict[str, Any]:
+    """A difficulty route: `easy` below `threshold`, `hard` at or above it, scored by the model at `model_path`."""
+    return {"strategy": "difficulty", "easy": easy, "hard": hard, "threshold": threshold,
+            "model_path": str(model_path), **fields}
+
+
 def policy(backends: dict[str, dict[str, Any]], routes: dict[str, dict[str, Any]], **top: Any) -> str:
     """The policy's YAML text."""
     return yaml.safe_dump({"backends": backends, "routes": routes, **top}, sort_keys=False)

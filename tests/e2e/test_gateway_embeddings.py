@@ -12,40 +12,24 @@ import pytest
 from gateway.keys import create_key
 from gateway.testing.standin import embedding_vector, standin_control, standin_stats
 from tests.e2e.conftest import MASTER_KEY, ledger_rows, run_gateway, tiny_difficulty_model
+from tests.e2e.policy_builder import difficulty, engine, litellm, policy
 
-POLICY = """
-backends:
-  embed:
-    kind: litellm
-    model: openai/text-embedding-3-small
-    api_base: {standin}
-    api_key_env: STANDIN_API_KEY
-  chat:
-    kind: litellm
-    model: openai/gpt-4o-mini
-    api_base: {standin}
-    api_key_env: STANDIN_API_KEY
-  local: {{kind: engine, model: small, api_base: "{standin}", gpu_hour_usd: 2.0}}
-  declared:
-    kind: engine
-    model: embedder
-    api_base: {standin}
-    gpu_hour_usd: 2.0
-    capabilities: {{embeddings: true}}
-routes:
-  vectors: {{backend: embed}}
-  chatty: {{backend: chat}}
-  engine-only: {{backend: local}}
-  engine-embeds: {{backend: declared}}
-  auto: {{strategy: difficulty, easy: local, hard: embed, backend: local, threshold: 0.5, model_path: "{model}"}}
-"""
+
+def policy_text(standin: str, model: object) -> str:
+    return policy(backends={"embed": litellm(standin, model="openai/text-embedding-3-small"), "chat": litellm(standin),
+                            "local": engine(standin, model="small", gpu_hour_usd=2.0),
+                            "declared": engine(standin, model="embedder", gpu_hour_usd=2.0,
+                                               capabilities={"embeddings": True})},
+                  routes={"vectors": {"backend": "embed"}, "chatty": {"backend": "chat"},
+                          "engine-only": {"backend": "local"}, "engine-embeds": {"backend": "declared"},
+                          "auto": difficulty("local", "embed", model, backend="local")})
 PRICE = 2e-8  # litellm's map: text-embedding-3-small, input_cost_per_token (output 0)
 
 
 @pytest.fixture
 def gateway(standin, tmp_path):
     tiny_difficulty_model(tmp_path / "m.npz")
-    with run_gateway(POLICY.format(standin=standin, model=tmp_path / "m.npz"), tmp_path) as running:
+    with run_gateway(policy_text(standin, tmp_path / "m.npz"), tmp_path) as running:
         yield running
 
 

@@ -5,50 +5,18 @@ import openai
 import pytest
 
 from gateway.keys import create_key
-from tests.e2e.conftest import MASTER_KEY, free_port, ledger_rows, run_gateway, tiny_difficulty_model
+from tests.e2e.conftest import MASTER_KEY, ledger_rows, run_gateway, tiny_difficulty_model
+from tests.e2e.policy_builder import dead, difficulty, engine, litellm, policy
 
-POLICY = """
-backends:
-  local:
-    kind: engine
-    model: small
-    api_base: {standin}
-    gpu_hour_usd: 2.0
-    reserve_usd_per_mtok: 1
-  api:
-    kind: litellm
-    model: openai/gpt-4o
-    api_base: {standin}
-    api_key_env: STANDIN_API_KEY
-    input_usd_per_mtok: 10
-    output_usd_per_mtok: 90
-  dead:
-    kind: engine
-    model: nobody
-    api_base: http://127.0.0.1:{dead_port}/v1
-    max_retries: 0
-    connect_timeout_s: 0.5
-routes:
-  thrifty:
-    strategy: difficulty
-    easy: local
-    hard: api
-    threshold: 0.5
-    model_path: {model}
-    budget_downgrade: true
-  plain:
-    strategy: difficulty
-    easy: local
-    hard: api
-    threshold: 0.5
-    model_path: {model}
-  broken-easy:
-    strategy: difficulty
-    easy: dead
-    hard: api
-    threshold: 0.5
-    model_path: {model}
-"""
+
+def policy_text(standin: str, model: object) -> str:
+    return policy(backends={"local": engine(standin, model="small", gpu_hour_usd=2.0, reserve_usd_per_mtok=1),
+                            "api": litellm(standin, model="openai/gpt-4o", input_usd_per_mtok=10,
+                                           output_usd_per_mtok=90),
+                            "dead": dead()},
+                  routes={"thrifty": difficulty("local", "api", model, budget_downgrade=True),
+                          "plain": difficulty("local", "api", model),
+                          "broken-easy": difficulty("dead", "api", model)})
 HARD = "prove the statement number 7"
 EASY = "say hi 7"
 
@@ -56,7 +24,7 @@ EASY = "say hi 7"
 @pytest.fixture
 def gateway(standin, tmp_path):
     tiny_difficulty_model(tmp_path / "m.npz")
-    with run_gateway(POLICY.format(standin=standin, dead_port=free_port(), model=tmp_path / "m.npz"),
+    with run_gateway(policy_text(standin, tmp_path / "m.npz"),
                      tmp_path) as running:
         yield running
 
