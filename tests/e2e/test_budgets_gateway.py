@@ -14,43 +14,30 @@ import pytest
 from gateway.keys import create_key
 from gateway.testing.standin import standin_control, standin_stats
 from tests.e2e.conftest import MASTER_KEY, ledger_rows, run_gateway
+from tests.e2e.policy_builder import engine, litellm, policy
+
 
 # Prices from litellm's bundled map (gpt-4o-mini: $0.15 / $0.60 per Mtok; text-embedding-3-small $0.02).
-POLICY = """
-backends:
-  api:
-    kind: litellm
-    model: openai/gpt-4o-mini
-    api_base: {standin}
-    api_key_env: STANDIN_API_KEY
-    max_retries: 0
-    failure_threshold: 1000  # injected failures must not open the breaker between phases
-  embed:
-    kind: litellm
-    model: openai/text-embedding-3-small
-    api_base: {standin}
-    api_key_env: STANDIN_API_KEY
-  instruct:  # a completions model: litellm sends /v1/completions as is (gpt-4o-mini's go as chat)
-    kind: litellm
-    model: openai/gpt-3.5-turbo-instruct
-    api_base: {standin}
-    api_key_env: STANDIN_API_KEY
-    input_usd_per_mtok: 1.5  # its map entry is under text-completion-openai/, not openai/
-    output_usd_per_mtok: 2
-  eng: {{kind: engine, model: e, api_base: "{standin}", gpu_hour_usd: 2.0}}
-routes:
-  priced: {{backend: api}}
-  instruct: {{backend: instruct}}
-  vectors: {{backend: embed}}
-  local: {{backend: eng}}
-"""
+def policy_text(standin: str) -> str:
+    return policy(
+        backends={
+            # injected failures must not open the breaker between phases
+            "api": litellm(standin, max_retries=0, failure_threshold=1000),
+            "embed": litellm(standin, model="openai/text-embedding-3-small"),
+            # a completions model: litellm sends /v1/completions as is (gpt-4o-mini's go as chat); its price map
+            # entry is under text-completion-openai/, not openai/
+            "instruct": litellm(standin, model="openai/gpt-3.5-turbo-instruct", input_usd_per_mtok=1.5,
+                                output_usd_per_mtok=2),
+            "eng": engine(standin, model="e", gpu_hour_usd=2.0)},
+        routes={"priced": {"backend": "api"}, "instruct": {"backend": "instruct"}, "vectors": {"backend": "embed"},
+                "local": {"backend": "eng"}})
 PROMPT = "one two three four five six seven eight nine ten"
 CHAT = [{"role": "user", "content": PROMPT}]
 
 
 @pytest.fixture
 def gateway(standin, tmp_path):
-    with run_gateway(POLICY.format(standin=standin), tmp_path) as running:
+    with run_gateway(policy_text(standin), tmp_path) as running:
         yield running
 
 
@@ -332,7 +319,7 @@ def test_reservations_come_back_when_clients_leave_or_upstreams_fail(gateway, st
 def test_a_request_cancelled_by_shutdown_writes_its_row_and_gives_its_reservation_back(standin, tmp_path):
     standin_control(standin, first_byte_delay_ms=60_000)
     outcome: dict = {}
-    with run_gateway(POLICY.format(standin=standin), tmp_path) as gateway:
+    with run_gateway(policy_text(standin), tmp_path) as gateway:
         key, key_id = make_key(gateway, budget_usd=1.0)
 
         def client() -> None:
@@ -373,7 +360,7 @@ def _allow_connections(pg_url: str, allowed: bool) -> None:
 
 
 def test_a_failed_spend_lookup_is_a_503_and_the_next_request_retries(standin, tmp_path, pg_url):
-    with run_gateway(POLICY.format(standin=standin), tmp_path, database_url=pg_url) as gateway:
+    with run_gateway(policy_text(standin), tmp_path, database_url=pg_url) as gateway:
         key, key_id = make_key(gateway, budget_usd=1.0)
         body = {"model": "priced", "messages": CHAT, "max_tokens": 5}
         # Authenticated once (the key is cached), its spend never loaded (the model does not exist).
