@@ -44,8 +44,11 @@ def drop_page_cache() -> bool:
         return False
 
 
+DEVICE = "cpu"
+
+
 def engine_for(mode: str, num_blocks: int, disk_dir: str | None) -> LLMEngine:
-    chosen = precision.choose(resolve_model_path(SMOLLM2_MODEL), "cpu")
+    chosen = precision.choose(resolve_model_path(SMOLLM2_MODEL), DEVICE)
     kw: dict = {}
     if mode == "host":
         kw = {"kv_host_gb": 16.0, "kv_restore": "always"}
@@ -54,7 +57,7 @@ def engine_for(mode: str, num_blocks: int, disk_dir: str | None) -> LLMEngine:
     elif mode == "auto":
         kw = {"kv_host_gb": 16.0}
     return LLMEngine(EngineConfig(model_dir=SMOLLM2_MODEL, dtype=chosen.dtype, quantization=chosen.quantization,
-                                  quantization_group_size=chosen.group_size or 128, device="cpu",
+                                  quantization_group_size=chosen.group_size or 128, device=DEVICE,
                                   block_size=BLOCK, num_kv_blocks=num_blocks, max_num_seqs=4,
                                   max_num_batched_tokens=2048, **kw))
 
@@ -182,13 +185,16 @@ def main() -> int:
     ap.add_argument("--sweep-reps", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--out", default=None, help="write OUT.json instead of filing the run in bench/results")
     ap.add_argument("--label", default="")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    global DEVICE
+    DEVICE = args.device
     args.pool_blocks = max(int(args.pool_histories * (args.history + 40) / BLOCK), 8)
-    chosen = precision.choose(resolve_model_path(SMOLLM2_MODEL), "cpu")
+    chosen = precision.choose(resolve_model_path(SMOLLM2_MODEL), DEVICE)
     vocab = 49152
     hist, turns = conversations(args.conversations, args.history, vocab, args.seed)
     order = list(range(args.conversations))

@@ -483,7 +483,9 @@ class KVTiers:
         if self.stream is None:
             self.kv_cache.index_copy_(2, dst_t, src.permute(1, 2, 0, 3, 4, 5))
         else:
-            # Host -> device on the side stream; the forward (current stream) waits for it, not the CPU.
+            # Host -> device on the side stream, after what the current stream queued (this step's demotion gather
+            # reads blocks restored into here); the forward (current stream) waits for it, not the CPU.
+            self.stream.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(self.stream):
                 moved = src.pin_memory().to(dev, non_blocking=True)
                 self.kv_cache.index_copy_(2, dst_t, moved.permute(1, 2, 0, 3, 4, 5))
