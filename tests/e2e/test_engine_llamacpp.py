@@ -241,6 +241,7 @@ def test_engine_uptime_gets_paid_and_busy_time(gateway):
     root, url, serve = gateway
     served = ledger_rows(url)
     assert served, "run with the tests above"
+    assert httpx.get(root + "/health", timeout=10).json()["backends"] == {"llama": "up"}
     metrics = httpx.get(root + "/metrics", timeout=10).text
     assert 'switchyard_engine_load_scrape_failures_total{backend="llama"}' not in metrics
     serve.stop()
@@ -294,3 +295,56 @@ def test_without_metrics_the_health_check_is_used():
         assert sum(r.busy_seconds for r in rows) == pytest.approx(0.25)
     finally:
         server.stop()
+
+
+FLEET_POLICY = """\
+backends:
+  llama:
+    kind: engine
+    engine_type: llamacpp
+    model: smollm2
+    api_bases: [{a}, {b}]
+    balance: {{strategy: round_robin, health_interval_s: 0.5}}
+    cpu_hour_usd: {hour}
+    timeout_s: 300
+routes:
+  local: {{backend: llama}}
+"""
+
+
+def test_a_fleet_of_llama_servers_without_metrics(tmp_path):
+    """Two llama-servers (no --metrics) as one fleet: the health probe asks /health, so neither replica is
+    ejected, and each replica's rows are priced from its own timings."""
+    servers = [_start(metrics=False), _start(metrics=False)]
+    try:
+        url = f"sqlite:///{tmp_path / 'ledger.db'}"
+        db.upgrade(url)
+        policy = tmp_path / "policy.yaml"
+        policy.write_text(FLEET_POLICY.format(a=servers[0].base_url + "/v1", b=servers[1].base_url + "/v1",
+                                              hour=HOUR_USD))
+        port = free_port()
+        serve = Serve(tmp_path, "--policy", str(policy), "--port", str(port), "--database-url", url)
+        try:
+            root = f"http://127.0.0.1:{port}"
+            wait_http(root + "/health", timeout=120)
+            time.sleep(1.5)  # a few health probes
+            assert httpx.get(root + "/health", timeout=10).json()["backends"] == {"llama": "up"}
+            client = _client(root)
+            replicas = set()
+            for i in range(2):
+                raw = client.chat.completions.with_raw_response.create(
+                    model="local", max_tokens=8, temperature=0,
+                    messages=[{"role": "user", "content": f"Say hello to number {i}."}])
+                replicas.add(raw.headers["x-switchyard-replica"])
+            assert replicas == {"0", "1"}  # round robin over two admitted replicas
+            rows = _rows(url, 2)
+            assert sorted(r["replica"] for r in rows) == ["0", "1"]
+            for row in rows:
+                _check_priced(row)
+            assert "ejected" not in serve.output and "Traceback" not in serve.output
+        finally:
+            if serve.process.poll() is None:
+                serve.stop()
+    finally:
+        for server in servers:
+            server.stop()
