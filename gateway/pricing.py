@@ -208,6 +208,8 @@ def charge(record: LedgerRecord, spec: BackendSpec, usage: Usage, device_seconds
     cost = request_cost(spec, usage, device_seconds, utilisation)
     record.prompt_tokens = usage.prompt_tokens
     record.cached_prompt_tokens = usage.cached_prompt_tokens
+    record.kv_restored_host_tokens = usage.restored_host_tokens  # engine KV tiers (already in cached)
+    record.kv_restored_disk_tokens = usage.restored_disk_tokens
     record.completion_tokens = usage.completion_tokens
     record.input_cost_usd, record.output_cost_usd = cost.input_usd, cost.output_usd
     record.cost_usd, record.cost_basis = cost.total_usd, cost.basis

@@ -79,6 +79,10 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_prompt_tokens: int = 0
+    # Engines with KV tiers: prompt tokens restored from host memory / disk (already in cached_prompt_tokens);
+    # None when the backend does not say (usage.switchyard_prompt_tokens).
+    restored_host_tokens: int | None = None
+    restored_disk_tokens: int | None = None
 
 
 @dataclass(slots=True)
@@ -101,8 +105,16 @@ def usage_from_dict(usage: dict | None) -> Usage | None:
         return Usage(int(usage.get("input_tokens") or 0), int(usage.get("output_tokens") or 0),
                      int(details.get("cached_tokens") or 0))
     details = usage.get("prompt_tokens_details") or {}
+    split = usage.get("switchyard_prompt_tokens")
+    host, disk = (_count(split.get("restored_host")), _count(split.get("restored_disk"))) \
+        if isinstance(split, dict) else (None, None)
     return Usage(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0),
-                 int(details.get("cached_tokens") or 0))
+                 int(details.get("cached_tokens") or 0), host, disk)
+
+
+def _count(value: object) -> int | None:
+    """A token count from an upstream's extension field; anything but a non-negative integer is None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 def usage_from_chunk(chunk: dict) -> Usage | None:

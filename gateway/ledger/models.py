@@ -62,6 +62,9 @@ class RequestRow(Base):
     busy_cost_usd: Mapped[float | None] = mapped_column(Float)  # engine rows: gpu_seconds × device_hour_usd / 3600
     # Engine fleets (migration 0006): the replica that served, its position in the backend's api_bases
     replica: Mapped[str | None] = mapped_column(String(128))
+    # KV tiering (migration 0007): prompt tokens an engine restored from host memory / disk (also in cached_*)
+    kv_restored_host_tokens: Mapped[int | None] = mapped_column(Integer)
+    kv_restored_disk_tokens: Mapped[int | None] = mapped_column(Integer)
 
     __table_args__ = (
         Index("ix_requests_created_at", "created_at"),

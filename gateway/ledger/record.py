@@ -99,6 +99,9 @@ class LedgerRecord(SpoolRecord):
     busy_cost_usd: float | None = None  # engine rows: device seconds at the list rate (no idle share)
     # Engine fleets (migration 0006): which replica served (its position in the backend's api_bases)
     replica: str | None = None
+    # KV tiering (migration 0007): engine rows, prompt tokens restored from host memory / disk (part of cached)
+    kv_restored_host_tokens: int | None = None
+    kv_restored_disk_tokens: int | None = None
 
 
 @dataclass(slots=True)

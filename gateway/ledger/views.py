@@ -23,6 +23,8 @@ EXTRA_COLUMNS: tuple[str, ...] = (
     "busy_cost_usd",
     # migration 0006
     "replica",
+    # migration 0007
+    "kv_restored_host_tokens", "kv_restored_disk_tokens",
 )
 
 ALL_COLUMNS: tuple[str, ...] = STABLE_COLUMNS + EXTRA_COLUMNS
