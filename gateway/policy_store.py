@@ -84,9 +84,13 @@ class PolicyStore:
         self._callbacks: list[PolicyCallback] = []
         self._task: asyncio.Task | None = None
 
-    def on_change(self, callback: PolicyCallback) -> None:
-        """Call `callback(new_policy)` (sync or async) after each successful swap (not for the first load)."""
-        self._callbacks.append(callback)
+    def on_change(self, callback: PolicyCallback, *, first: bool = False) -> None:
+        """Call `callback(new_policy)` (sync or async) after each successful swap (not for the first load); `first`:
+        before the listeners already registered (sharing a new version with the other replicas goes first)."""
+        if first:
+            self._callbacks.insert(0, callback)
+        else:
+            self._callbacks.append(callback)
 
     async def start(self) -> Policy:
         """Load the file once (a bad file raises PolicyError) and start watching it."""

@@ -49,7 +49,7 @@ class SharedPolicy:
         self._lock = asyncio.Lock()
         self._task: asyncio.Task | None = None
         self._kicks: set[asyncio.Task] = set()
-        store.on_change(self._changed)
+        store.on_change(self._changed, first=True)  # the others start adopting while this one applies it
         state.on_message(POLICY_CHANNEL, self._announced)
         state.policy = self  # its /health block and its close go with the shared state's
 
