@@ -135,6 +135,13 @@ class EngineRow:
     counterfactual_usd: float
     busy_list_usd: float = 0.0  # its requests at the list rate (busy_cost_usd): stable chargeback
     team_share: float = 1.0  # with a team filter: the team's share of attributed seconds
+    # KV tiering (migration 0007): prompt tokens restored from the engine's host / disk tier, not recomputed
+    restored_host_tokens: int = 0
+    restored_disk_tokens: int = 0
+    # The measured prefill rate: tokens computed (prompt − cached) over TTFT seconds, on rows with a TTFT and
+    # nothing restored. TTFT also holds queueing and the first decode step: the rate is a lower bound.
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
 
     @property
     def tokens(self) -> int:
@@ -143,6 +150,20 @@ class EngineRow:
     @property
     def idle_usd(self) -> float:
         return self.paid_usd - self.busy_usd
+
+    @property
+    def restored_tokens(self) -> int:
+        return self.restored_host_tokens + self.restored_disk_tokens
+
+    @property
+    def prefill_tps(self) -> float | None:
+        return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds > 0 else None
+
+    @property
+    def tiering_saved_seconds(self) -> float | None:
+        """Device seconds the restored tokens would have taken to prefill at the measured rate."""
+        tps = self.prefill_tps
+        return self.restored_tokens / tps if tps else None
 
     @property
     def unallocated_usd(self) -> float | None:
@@ -240,6 +261,9 @@ class Summary:
 # An engine row's cost at the list rate: the stored busy_cost_usd (migration 0005), else (older rows) the same
 # product from the columns it is made of.
 LIST_COST_SQL = "COALESCE(busy_cost_usd, COALESCE(gpu_seconds, 0.0) * COALESCE(device_hour_usd, 0.0) / 3600.0)"
+# A row whose TTFT measures prefill: it computed prompt tokens and restored none from a KV tier.
+_PREFILL_ROW_SQL = ("ttft_ms > 0 AND prompt_tokens > cached_prompt_tokens"
+                    " AND COALESCE(kv_restored_host_tokens, 0) + COALESCE(kv_restored_disk_tokens, 0) = 0")
 
 
 def window_caveat(summary: Summary) -> str | None:
@@ -416,7 +440,10 @@ class Ledger:
         served = {r[0]: r for r in self._rows(f"""
             SELECT backend, COUNT(*), SUM(prompt_tokens), SUM(cached_prompt_tokens), SUM(completion_tokens),
                    COALESCE(SUM(gpu_seconds), 0.0), SUM(cost_usd), COALESCE(SUM(counterfactual_cost_usd), 0.0),
-                   MAX(device_hour_usd), MAX(device_kind), COALESCE(SUM({LIST_COST_SQL}), 0.0)
+                   MAX(device_hour_usd), MAX(device_kind), COALESCE(SUM({LIST_COST_SQL}), 0.0),
+                   COALESCE(SUM(kv_restored_host_tokens), 0), COALESCE(SUM(kv_restored_disk_tokens), 0),
+                   COALESCE(SUM(CASE WHEN {_PREFILL_ROW_SQL} THEN prompt_tokens - cached_prompt_tokens ELSE 0 END), 0),
+                   COALESCE(SUM(CASE WHEN {_PREFILL_ROW_SQL} THEN ttft_ms ELSE 0 END), 0) / 1000.0
             FROM requests {rw} GROUP BY backend""", rp)}
         everyone: dict[str, float] = {}
         if w.team is not None:
@@ -450,6 +477,10 @@ class Ledger:
                 counterfactual_usd=float(s[7]) if s else 0.0,
                 busy_list_usd=float(s[10]) if s else 0.0,
                 team_share=share,
+                restored_host_tokens=int(s[11]) if s else 0,
+                restored_disk_tokens=int(s[12]) if s else 0,
+                prefill_tokens=int(s[13]) if s else 0,
+                prefill_seconds=float(s[14]) if s else 0.0,
             ))
         return out
 

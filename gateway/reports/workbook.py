@@ -154,8 +154,8 @@ def _csv_value(v: Any) -> Any:
 
 
 CSV_NAMES = {"traffic": "traffic.csv", "prices": "prices.csv", "engine_prices": "engine_prices.csv",
-             "in_house": "in_house.csv", "busy_by_hour": "busy_by_hour.csv", "decision": "decision.csv",
-             "decision_api": "decision_api.csv", "ladder": "ladder.csv", "notes": "notes.csv"}
+             "in_house": "in_house.csv", "busy_by_hour": "busy_by_hour.csv", "kv_tiering": "kv_tiering.csv",
+             "decision": "decision.csv", "decision_api": "decision_api.csv", "ladder": "ladder.csv", "notes": "notes.csv"}
 
 
 def write_csv(book: Book, directory: Path) -> list[Path]:

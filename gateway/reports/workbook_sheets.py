@@ -293,6 +293,8 @@ def in_house_sheet(engines: list[EngineRow], hours: list[HourRow], prices: Price
                 "utilisation of its moment; the paid time not charged at list rate (idle and unattributed "
                 "work) is allocated to teams in proportion to their device seconds", bold=False)])
     s.add([])
+    _tiering_table(s, engines, prices)
+    s.add([])
     hfirst = s.header(["hour (UTC)", "engine backend", "up s", "busy s", "utilisation"])
     for h in hours:
         r = s.next_row
@@ -300,6 +302,36 @@ def in_house_sheet(engines: list[EngineRow], hours: list[HourRow], prices: Price
                _c("" if h.utilisation is None else h.utilisation, f'=IF(C{r}>0,D{r}/C{r},"")', PCT)])
     s.table("busy_by_hour", hfirst)
     return s, out
+
+
+TIERING_HEAD = ["KV tiering: engine backend", "tokens restored from host memory", "tokens restored from disk",
+                "tokens restored (not recomputed)", "prefill tokens (computed, rows with a TTFT)",
+                "prefill s (their TTFT)", "prefill tokens/s (measured)", "device s saved", "USD saved at list rate"]
+
+
+def _tiering_table(s: Sheet, engines: list[EngineRow], prices: PriceCells) -> None:
+    """What KV tiering saved per engine: tokens restored instead of recomputed, and the device time (and its
+    price) that prefilling them would have taken at the engine's measured prefill rate."""
+    first = s.header(TIERING_HEAD)
+    for e in engines:
+        r = s.next_row
+        b, c, d, pt, ps, tps, sec = (f"{col_letter(i)}{r}" for i in range(2, 9))
+        price, rate = prices.engine[e.backend], prices.engine_value.get(e.backend, 0.0)
+        saved = e.tiering_saved_seconds
+        s.add([Cell(e.backend), _c(e.restored_host_tokens, fmt=INT), _c(e.restored_disk_tokens, fmt=INT),
+               _c(e.restored_tokens, f"={b}+{c}", INT), _c(e.prefill_tokens, fmt=INT),
+               _c(e.prefill_seconds, fmt=DEC),
+               _c(_num(e.prefill_tps), f'=IF(N({ps})>0,{pt}/{ps},"{NA}")', DEC),
+               _c(_num(saved), f'=IF(AND(ISNUMBER({tps}),N({tps})>0),{d}/{tps},"{NA}")', DEC),
+               _c(_num(None if saved is None else saved * rate / 3600.0),
+                  f'=IF(ISNUMBER({sec}),{sec}*N({price})/3600,"{NA}")', USD, bold=True)])
+    s.table("kv_tiering", first)
+    s.add([])
+    s.add([Cell("KV tiering: prompt tokens the engine restored from its host-memory or disk tier "
+                "(kv_restored_*_tokens) instead of recomputing, already counted as cached prompt tokens; device s "
+                "saved = restored tokens / the prefill rate measured on rows that restored nothing (their "
+                "computed prompt tokens over their TTFT, which also holds queueing: the rate is a lower bound, "
+                "the saving an upper bound); the restore's own copy time is not subtracted", bold=False)])
 
 
 # --------------------------------------------------------------------------------------------- Decision
