@@ -4,9 +4,10 @@ Order of service within a step's token budget (max_num_batched_tokens):
 1. running sequences that are decoding (one token each), oldest first;
 2. running sequences still prefilling, as chunks of whatever budget remains, oldest first;
 3. waiting sequences (preempted ones first, then new arrivals), with prefix-cache hits, as chunks; a prefix
-   found in the host / disk KV tiers is restored instead of recomputed where that is cheaper, and restores
-   admitted in one step copy about one step's worth (the first one of a step whole), so a restore holds the
-   running decodes for about one step at most;
+   found in the host / disk KV tiers is restored instead of recomputed where that is cheaper, and the restores
+   of one step copy about one step's worth of blocks: a longer restore, beside other work, is split across
+   steps (the sequence waits at the head of the queue, holding what it restored so far), so a restore never
+   holds the running decodes for much longer than one step;
 4. draft tokens of decodes that speculate (hosted/spec/), with what budget and free blocks are left: such a
    decode then feeds 1 + k tokens, as a prefill chunk over its cached context.
 When the block pool runs dry for a running sequence, the newest running sequence is preempted: its
@@ -100,10 +101,16 @@ class Scheduler:
             if seq.num_computed_tokens == 0 and not seq.block_table:
                 hit_ids, hit_hashes = self.bm.match_prefix(seq)
                 lower, lower_hashes = self.bm.match_lower(seq, hit_ids)
-                if lower and not self._restore_fits(len(lower)):
-                    break  # next step: this step already restores what fits beside the running decodes
+            elif seq.block_table:  # a waiting sequence holds blocks only mid-restore: its next part
+                lower, lower_hashes = self.bm.match_lower(seq, seq.block_table)
+            if lower:
+                room = self._restore_room(scheduled)
+                if room < len(lower):
+                    if room > 0:
+                        self._restore_part(seq, hit_ids, hit_hashes, lower[:room], lower_hashes[:room])
+                    break  # next step: this step already restores what fits beside the running work
             cached = len(hit_ids) + len(lower)
-            start = cached * self.bm.block_size if cached else seq.num_computed_tokens
+            start = (len(seq.block_table) + cached) * self.bm.block_size if cached else seq.num_computed_tokens
             n = min(seq.num_tokens - start, budget)
             if not self.bm.can_allocate(seq, start + n, hit_ids):
                 break  # never preempt running work to admit new work
@@ -119,7 +126,8 @@ class Scheduler:
                 seq.admitted_once = True
                 seq.num_cached_tokens = seq.num_computed_tokens
                 bs = self.bm.block_size
-                seq.num_restored_host_tokens, seq.num_restored_disk_tokens = restored[0] * bs, restored[1] * bs
+                seq.num_restored_host_tokens += restored[0] * bs  # after any parts restored in earlier steps
+                seq.num_restored_disk_tokens += restored[1] * bs
                 self.bm.prefix_queries_tokens += seq.num_prompt_tokens
                 self.bm.prefix_hit_tokens += seq.num_cached_tokens
             self.bm.allocate(seq, seq.num_computed_tokens + n)
@@ -129,14 +137,29 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _restore_fits(self, blocks: int) -> bool:
-        """Whether a restore of `blocks` joins this step: the first always, then while the step's restores copy
-        in about the time of one step."""
-        if self._restored_this_step == 0:
-            return True
+    def _restore_room(self, scheduled: dict[int, int]) -> int:
+        """Blocks this step may still restore: about one step's worth of copying. With nothing else scheduled
+        (no decode to hold), the first restore of the step goes whole."""
         tiers = self.bm.tiers
         assert tiers is not None
-        return self._restored_this_step + blocks <= tiers.restore_blocks_per_step(self.max_num_batched_tokens)
+        if self._restored_this_step == 0 and not scheduled:
+            return 1 << 62
+        return max(0, tiers.restore_blocks_per_step(self.max_num_batched_tokens) - self._restored_this_step)
+
+    def _restore_part(self, seq: Sequence, hit_ids: list[int], hit_hashes: list[int], part: list,
+                      part_hashes: list[int]) -> None:
+        """Restore the leading `part` of seq's lower-tier prefix this step; seq stays at the head of the queue,
+        holding its device hits and what it restored, and goes on restoring next step."""
+        need = len(seq.block_table) + len(hit_ids) + len(part)
+        if not self.bm.can_allocate(seq, need * self.bm.block_size, hit_ids):
+            return
+        if hit_ids:
+            self.bm.take_prefix(seq, hit_ids, hit_hashes)
+        restored = self.bm.take_restored(seq, part, part_hashes)
+        self._restored_this_step += sum(restored)
+        if not seq.admitted_once:
+            seq.num_restored_host_tokens += restored[0] * self.bm.block_size
+            seq.num_restored_disk_tokens += restored[1] * self.bm.block_size
 
     def _emit(self, scheduled: dict[int, int], batch: ScheduledBatch) -> None:
         """In the order the model runner wants: decodes first, then prefill chunks."""
@@ -194,6 +217,9 @@ class Scheduler:
         while i < len(self.waiting) and self.waiting[i].arrival < seq.arrival:
             i += 1
         self.waiting.insert(i, seq)
+        for later in list(self.waiting)[i + 1:]:
+            if later.block_table:  # a restore in progress, no longer at the head: its blocks stay cached, unheld
+                self.bm.free(later)
         self.num_preemptions += 1
         batch.preempted.append(seq)
 

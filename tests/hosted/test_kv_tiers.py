@@ -323,3 +323,53 @@ def test_one_steps_worth_of_restores_per_step(tiny_model_dirs, make_engine, refe
             got[o.request_id] += o.new_token_ids
     assert got == {"a": reference(prompts[0]), "b": reference(prompts[1])}
     assert engine.stats().kv_tiers["host"]["hits"] == 14
+
+
+def test_a_long_restore_is_split_across_steps_beside_a_running_decode(tiny_model_dirs, make_engine, reference):
+    """A restore longer than one step's worth of copying, admitted while another request decodes, goes one step's
+    worth per step: the decode makes a token every step meanwhile, and the restored request's output, its usage
+    split and the tier's counters are those of a restore in one go."""
+    engine, histories = _two_histories_in_host(make_engine, tiny_model_dirs["llama"])
+    tiers = engine.kv_tiers
+    tiers.restore_policy = "always"
+
+    def one_block_per_step():  # the measured rates move as the engine runs: hold them where a step copies one block
+        tiers.copy_bps["host"] = tiers.bytes_per_block
+        tiers.prefill_tps = engine.config.max_num_batched_tokens
+        assert tiers.restore_blocks_per_step(engine.config.max_num_batched_tokens) == 1
+
+    long_params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    decoding = _history(40, 9)
+    engine.add_request("dec", decoding, long_params)
+    got = {"dec": [], "back": []}
+    for o in engine.step():  # its prefill (nothing of it is cached anywhere)
+        got[o.request_id] += o.new_token_ids
+    back = histories[0] + [30]
+    engine.add_request("back", back, PARAMS)
+    bm = engine.block_manager
+    held = []
+    outs = {}
+    while engine.scheduler.waiting:
+        before = len(got["dec"])
+        one_block_per_step()
+        for o in engine.step():
+            got[o.request_id] += o.new_token_ids
+            outs[o.request_id] = o
+        assert len(got["dec"]) == before + 1  # the decode was not held: one token this step
+        waiting = [s for s in engine.scheduler.waiting if s.request_id == "back"]
+        held.append(len(waiting[0].block_table) if waiting else None)
+        bm.check_accounting()
+    assert held == [1, 2, 3, 4, 5, 6, None]  # one block a step, then admitted with the last one
+    while engine.has_unfinished():
+        for o in engine.step():
+            got[o.request_id] += o.new_token_ids
+            outs[o.request_id] = o
+    assert got == {"dec": engine_reference(make_engine, tiny_model_dirs, decoding, long_params),
+                   "back": reference(back)}
+    assert outs["back"].num_restored_host_tokens == 28 and outs["back"].num_cached_tokens == 28
+    assert engine.stats().kv_tiers["host"]["hits"] == 7
+
+
+def engine_reference(make_engine, tiny_model_dirs, prompt, params):
+    engine = make_engine(tiny_model_dirs["llama"], enable_prefix_caching=False, num_kv_blocks=64)
+    return engine.generate([prompt], params)[0]

@@ -98,3 +98,51 @@ def test_prefix_hits_skip_budget_and_count_once():
     batch = sched.schedule()
     assert {s.request_id: n for s, n in batch.items}["x"] == 3  # 12 tokens came from the cache
     assert again.num_cached_tokens == 12 and bm.prefix_hit_tokens == 12
+
+
+def test_a_restore_split_across_steps_gives_its_blocks_back_when_a_preempted_sequence_goes_ahead():
+    """Issue 34: a long restore beside running work goes one step's worth per step, the sequence waiting at the
+    head of the queue with the blocks restored so far. When a preempted (older) sequence is requeued ahead of it,
+    it lets go of them: they stay in the prefix cache, found again as device hits, so nothing is restored twice."""
+    import torch
+
+    from hosted.kv_tiers import KVTiers
+
+    bm = BlockManager(num_blocks=16, block_size=2)
+    tiers = KVTiers(torch.zeros(1, 2, 16, 2, 1, 1), 32, None, 0, False, bytes(16), 2)
+    bm.attach_tiers(tiers)
+    tiers.restore_policy = "always"
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100)
+    history = Sequence(request_id="h", token_ids=list(range(1, 10)), num_prompt_tokens=9, params=SamplingParams(),
+                       arrival=0)
+    sched.add(history)
+    fake_step(sched, sched.schedule())
+    sched.remove(history)
+    assert bm.evict_cached() == 4
+    tiers.flush()
+    a, c = make(3, 1), make(3, 2)
+    sched.add(a)
+    sched.add(c)
+    fake_step(sched, sched.schedule())
+    back = Sequence(request_id="back", token_ids=list(range(1, 10)) + [50], num_prompt_tokens=10,
+                    params=SamplingParams(), arrival=3)
+    sched.add(back)
+    tiers.copy_bps["host"], tiers.prefill_tps = tiers.bytes_per_block, 100.0  # a step's time copies one block
+    batch = sched.schedule()
+    tiers.flush()
+    assert [(s.request_id, n) for s, n in batch.items] == [("r1", 1), ("r2", 1)]  # decodes only
+    assert sched.waiting[0] is back and len(back.block_table) == 1 and back.num_restored_host_tokens == 2
+    fake_step(sched, batch)
+    sched._preempt(c, ScheduledBatch())  # as when the pool runs dry for a: c goes back ahead of back
+    assert list(sched.waiting) == [c, back] and back.block_table == [] and back.num_computed_tokens == 0
+    bm.check_accounting()
+    while sched.waiting:
+        tiers.copy_bps["host"], tiers.prefill_tps = tiers.bytes_per_block, 100.0
+        batch = sched.schedule()
+        tiers.flush()
+        fake_step(sched, batch)
+    assert back.num_cached_tokens == 8 and back.num_restored_host_tokens == 8  # 1 block a hit, 3 restored
+    assert tiers.stats["host"].hits == 4
+    for s in (a, c, back):
+        sched.remove(s)
+    bm.check_accounting()
