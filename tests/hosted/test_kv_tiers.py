@@ -364,12 +364,12 @@ def test_a_long_restore_is_split_across_steps_beside_a_running_decode(tiny_model
         for o in engine.step():
             got[o.request_id] += o.new_token_ids
             outs[o.request_id] = o
-    assert got == {"dec": engine_reference(make_engine, tiny_model_dirs, decoding, long_params),
+    assert got == {"dec": _engine_reference(make_engine, tiny_model_dirs, decoding, long_params),
                    "back": reference(back)}
     assert outs["back"].num_restored_host_tokens == 28 and outs["back"].num_cached_tokens == 28
     assert engine.stats().kv_tiers["host"]["hits"] == 7
 
 
-def engine_reference(make_engine, tiny_model_dirs, prompt, params):
+def _engine_reference(make_engine, tiny_model_dirs, prompt, params):
     engine = make_engine(tiny_model_dirs["llama"], enable_prefix_caching=False, num_kv_blocks=64)
     return engine.generate([prompt], params)[0]
