@@ -44,7 +44,7 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     op.execute("DROP VIEW IF EXISTS cost_ledger")
-    with op.batch_alter_table("requests") as batch:  # SQLite drops columns by rebuilding the table
-        batch.drop_column("kv_restored_disk_tokens")
-        batch.drop_column("kv_restored_host_tokens")
+    # Plain DROP COLUMN (SQLite >= 3.35): a batch rebuild of `requests` would fail on the other views over it.
+    op.drop_column("requests", "kv_restored_disk_tokens")
+    op.drop_column("requests", "kv_restored_host_tokens")
     op.execute(f"CREATE VIEW cost_ledger AS SELECT {_COST_LEDGER_COLUMNS}\nFROM requests")
