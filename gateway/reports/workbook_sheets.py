@@ -304,9 +304,8 @@ def in_house_sheet(engines: list[EngineRow], hours: list[HourRow], prices: Price
     return s, out
 
 
-TIERING_HEAD = ["KV tiering: engine backend", "tokens restored from host memory", "tokens restored from disk",
-                "tokens restored (not recomputed)", "prefill tokens (computed, rows with a TTFT)",
-                "prefill s (their TTFT)", "prefill tokens/s (measured)", "device s saved", "USD saved at list rate"]
+TIERING_HEAD = ["KV tiering: engine", "restored from host", "restored from disk", "restored tokens",
+                "prefill tokens", "prefill s (TTFT)", "prefill tokens/s", "device s saved", "USD saved (list rate)"]
 
 
 def _tiering_table(s: Sheet, engines: list[EngineRow], prices: PriceCells) -> None:
@@ -327,11 +326,9 @@ def _tiering_table(s: Sheet, engines: list[EngineRow], prices: PriceCells) -> No
                   f'=IF(ISNUMBER({sec}),{sec}*N({price})/3600,"{NA}")', USD, bold=True)])
     s.table("kv_tiering", first)
     s.add([])
-    s.add([Cell("KV tiering: prompt tokens the engine restored from its host-memory or disk tier "
-                "(kv_restored_*_tokens) instead of recomputing, already counted as cached prompt tokens; device s "
-                "saved = restored tokens / the prefill rate measured on rows that restored nothing (their "
-                "computed prompt tokens over their TTFT, which also holds queueing: the rate is a lower bound, "
-                "the saving an upper bound); the restore's own copy time is not subtracted", bold=False)])
+    s.add([Cell("KV tiering: restored tokens (kv_restored_*_tokens, also counted cached) were not recomputed; "
+                "device s saved = restored / prefill tokens/s, measured on rows that restored nothing (computed "
+                "prompt tokens / TTFT, which holds queueing: an upper bound on the saving)", bold=False)])
 
 
 # --------------------------------------------------------------------------------------------- Decision
