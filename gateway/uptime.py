@@ -55,19 +55,27 @@ class UptimeRecorder:
         self.instance = instance or uuid.uuid4().hex[:12]  # several gateways may scrape one engine
         self._prices: dict[str, DevicePrice] = {}
         self._states: dict[str, _State] = {}
+        self._reported_kinds: dict[str, str] = {}  # what each engine said it runs on: survives policy reloads
 
     def set_prices(self, prices: dict[str, DevicePrice]) -> None:
         """The engines to record (policy changes): engines no longer listed have their time written out."""
         for name in list(self._states):
             if name not in prices:
                 self._emit(name, self._states.pop(name))
-        self._prices = dict(prices)
+        # A reload re-guesses each kind from the policy's price; an engine's own report still wins (else an
+        # interval written between a reload and the next scrape would carry the guess).
+        self._prices = {name: self._with_reported_kind(name, price) for name, price in prices.items()}
+
+    def _with_reported_kind(self, backend: str, price: DevicePrice) -> DevicePrice:
+        kind = self._reported_kinds.get(backend)
+        return price if kind is None or kind == price.kind else DevicePrice(price.hour_usd, price.devices, kind)
 
     def set_kind(self, backend: str, kind: str) -> None:
         """The device kind the engine itself reports: it wins over the one guessed from the policy's price."""
+        self._reported_kinds[backend] = kind
         price = self._prices.get(backend)
-        if price is not None and price.kind != kind:
-            self._prices[backend] = DevicePrice(price.hour_usd, price.devices, kind)
+        if price is not None:
+            self._prices[backend] = self._with_reported_kind(backend, price)
 
     def observe(self, backend: str, busy_total: float | None, *, started_at: float | None = None,
                 mono: float | None = None, wall: float | None = None, new_process: bool = False) -> None:

@@ -71,3 +71,16 @@ def test_only_priced_engines_are_recorded_and_removed_ones_are_written_out() -> 
     assert [(row.backend, row.seconds, row.busy_seconds) for row in rows] == [("eng", 2.0, 1.0)]
     r.flush()
     assert len(rows) == 1
+
+
+def test_a_policy_reload_keeps_the_device_kind_the_engine_reported() -> None:
+    # The policy's price guesses "gpu"; the engine says "cpu". A reload between the last scrape and the
+    # shutdown flush re-guessed the kind, so the interval was written as "gpu" (a flaky chargeback test).
+    rows: list[UptimeRecord] = []
+    r = recorder(rows)
+    r.set_kind("eng", "cpu")
+    r.observe("eng", 0.0, mono=0.0, wall=0.0)
+    r.observe("eng", 1.0, mono=2.0, wall=2.0)
+    r.set_prices({"eng": DevicePrice(3.0, 1, "gpu")})  # a hot reload with a new price
+    r.flush()
+    assert [(row.device_kind, row.device_hour_usd) for row in rows] == [("cpu", 3.0)]
