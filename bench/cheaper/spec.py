@@ -196,11 +196,11 @@ def run(args, root: Path, tok, log) -> dict[str, Any]:
                 b = row["bound"]
                 acc = "-" if row["acceptance"] is None else f"{row['acceptance']:.3f}"
                 limit = f" bound x{b['bound']:.2f} (c_draft {b['c_draft']:.3f}, c_verify {b['c_verify']:.2f})" if b else ""
+                log(f"spec B={batch:<2} {workload:<10} {name:<25} {row['decode_tok_s']:7.1f} tok/s "
+                    f"x{row['speedup']:.2f} accept={acc}{limit}{'' if row['same_output'] else ' OUTPUT DIFFERS'}")
                 if row.get("acceptance_by_position"):
                     log(f"    by position {[round(a, 3) for a in row['acceptance_by_position']]}, mean accepted "
                         f"{row['mean_accepted']:.2f} per verification")
-                log(f"spec B={batch:<2} {workload:<10} {name:<25} {row['decode_tok_s']:7.1f} tok/s "
-                    f"x{row['speedup']:.2f} accept={acc}{limit}{'' if row['same_output'] else ' OUTPUT DIFFERS'}")
     del engines
     return {"k": k, "tokens": args.spec_tokens, "rounds": args.spec_rounds, "rows": rows,
             "draft": {"dir": DISTILLED, "layers": dcfg.num_hidden_layers, "head_vocab": dcfg.head_vocab_size}}

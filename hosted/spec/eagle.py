@@ -29,8 +29,9 @@ from hosted.spec.rejection import target_probs
 @dataclass(slots=True)
 class _State:
     cache: DraftCache
-    feats: torch.Tensor  # [capacity, H] fused target features by position
-    avail: int = 0  # positions [0, avail) have features (contiguous from 0)
+    feats: torch.Tensor  # [capacity, H] fused target features, row p - base for position p
+    base: int = 0  # the first position with features (> 0 after a prefix-cache hit: the draft starts there)
+    avail: int = 0  # positions [base, avail) have features
     broken: bool = False  # a gap in the features (never proposes again)
 
 
@@ -65,16 +66,20 @@ class EagleProposer:
         for seq, start, n in items:
             st = self._states.get(seq.request_id)
             if st is None:
+                # A prompt prefix from the prefix cache is not fed: the draft's context starts after it.
                 st = self._states[seq.request_id] = _State(DraftCache.empty(self.draft.shape),
-                                                           fused.new_zeros(max(256, start + n), fused.shape[1]))
-            if start > st.avail:
+                                                           fused.new_zeros(max(256, n), fused.shape[1]),
+                                                           base=start, avail=start)
+                st.cache.length = start
+            if start > st.avail or start < st.base:
                 st.broken = True
             elif not st.broken:
-                if start + n > st.feats.shape[0]:
-                    grown = st.feats.new_zeros(max(start + n, 2 * st.feats.shape[0]), st.feats.shape[1])
-                    grown[:st.avail] = st.feats[:st.avail]
+                b = st.base
+                if start + n - b > st.feats.shape[0]:
+                    grown = st.feats.new_zeros(max(start + n - b, 2 * st.feats.shape[0]), st.feats.shape[1])
+                    grown[:st.avail - b] = st.feats[:st.avail - b]
                     st.feats = grown
-                st.feats[start:start + n] = fused[row:row + n]
+                st.feats[start - b:start + n - b] = fused[row:row + n]
                 st.avail = start + n
                 st.cache.length = min(st.cache.length, start)  # re-fed positions are fed to the draft again
             row += n
@@ -85,7 +90,7 @@ class EagleProposer:
         st = self._states.get(seq.request_id)
         if st is None:
             return seq.num_tokens
-        return max(1, min(st.avail, seq.num_tokens - 1) - st.cache.length)
+        return max(1, min(st.avail, seq.num_tokens - 1) - st.cache.length)  # positions, base cancels
 
     def release(self, seq: Sequence) -> None:
         self._states.pop(seq.request_id, None)
@@ -107,10 +112,11 @@ class EagleProposer:
         draft, cache = self.draft, st.cache
         tokens = seq.token_ids
         rows = 1
+        b = st.base  # cache.length, avail and last are positions; the cache's rows start at b
         if cache.length < last:
             start = cache.length
             ids = torch.tensor(tokens[start + 1:last + 1], dtype=torch.int64)
-            out = draft.extend(cache, st.feats[start:last], ids, start)
+            out = draft.extend(cache, st.feats[start - b:last - b], ids, start - b, b)
             cache.length, cache.last = last, out[-1:]
             rows = last - start
         if cache.last is None:
@@ -122,7 +128,7 @@ class EagleProposer:
         for j in range(k):
             if j:
                 t0 = time.perf_counter()
-                h = draft.extend(cache, h, torch.tensor(proposal[-1:]), last + j - 1)
+                h = draft.extend(cache, h, torch.tensor(proposal[-1:]), last + j - 1 - b, b)
             token, q = self._next(h, seq, sampled)
             proposal.append(token)
             if q is not None:

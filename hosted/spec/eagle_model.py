@@ -152,16 +152,19 @@ class EagleDraft(nn.Module):
 
     # ---- serving ----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def extend(self, cache: DraftCache, g: torch.Tensor, next_tokens: torch.Tensor, start: int) -> torch.Tensor:
-        """Feed n pairs at positions start.. (g [n, H], next_tokens [n]) over cache[:start]; their K/V go to
-        cache[start:start + n] (cache.length is the caller's). Returns the output streams [n, H]."""
+    def extend(self, cache: DraftCache, g: torch.Tensor, next_tokens: torch.Tensor, start: int,
+               offset: int = 0) -> torch.Tensor:
+        """Feed n pairs at cache rows start.. (g [n, H], next_tokens [n]) over cache[:start]; their K/V go to
+        cache[start:start + n] (cache.length is the caller's). Row r holds position offset + r (a cache may
+        begin after position 0: a prompt prefix the target took from its prefix cache has no features).
+        Returns the output streams [n, H]."""
         s = self.shape
         n = g.shape[0]
         end = start + n
         cache.reserve(end)
         pos = torch.arange(start, end)
         half = s.head_dim // 2
-        cos, sin = self.cos_sin[pos, :half][:, None], self.cos_sin[pos, half:][:, None]
+        cos, sin = self.cos_sin[pos + offset, :half][:, None], self.cos_sin[pos + offset, half:][:, None]
         x = self._inputs(g, next_tokens)
         y = rms(x, self.input_layernorm, s.rms_norm_eps)
         q = _rotate(self.q_proj(y).view(n, s.num_heads, s.head_dim), cos, sin)

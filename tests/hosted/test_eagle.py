@@ -172,3 +172,21 @@ def test_planner_keeps_a_costly_eagle_draft_off(tmp_path, cfg, prompts, plain_en
     before = spec.num_proposed
     assert engine.generate(prompts[:1], _greedy(80)) == want
     assert spec.num_proposed - before <= 80 // 8, "speculation stayed on with a draft as costly as the target"
+
+
+def test_a_prefix_cache_hit_still_drafts(eagle_dir, prompts, plain_engine):
+    """A prompt whose first blocks come from the prefix cache is never fed, so it has no features there: the
+    draft's context starts after the cached prefix (it used to stop proposing for good)."""
+    prompt = prompts[0] * 3
+    want = plain_engine.generate([prompt], _greedy(30))
+    engine = _engine(eagle_dir)
+    assert engine.generate([prompt], _greedy(30)) == want
+    spec = engine.spec
+    before = spec.num_proposed
+    engine.add_request("again", prompt, _greedy(30))
+    engine.step()
+    assert engine.runner.captured_items[0][1] > 0, "the second prefill must start after cached blocks"
+    while engine.has_unfinished():
+        engine.step()
+    assert spec.num_proposed - before > 0
+    assert engine.generate([prompt], _greedy(30)) == want
