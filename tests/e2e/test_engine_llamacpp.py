@@ -27,8 +27,8 @@ import pytest
 
 from gateway import db
 from gateway.backends.llamacpp import parse_metrics
-from tests.e2e.conftest import free_port, ledger_rows, wait_http
-from tests.e2e.test_serve_start import MASTER, Serve
+from tests.e2e.conftest import ledger_rows
+from tests.e2e.test_serve_start import MASTER, served_gateway
 
 HOUR_USD = 0.36
 SLOTS = 2
@@ -90,20 +90,10 @@ def llama_server():
 
 @pytest.fixture(scope="module")
 def gateway(llama_server, tmp_path_factory):
-    tmp: Path = tmp_path_factory.mktemp("llamacpp-gateway")
-    url = f"sqlite:///{tmp / 'ledger.db'}"
-    db.upgrade(url)
-    policy = tmp / "policy.yaml"
-    policy.write_text(POLICY.format(base=llama_server.base_url + "/v1", hour=HOUR_USD))
-    port = free_port()
-    serve = Serve(tmp, "--policy", str(policy), "--port", str(port), "--database-url", url)
-    try:
-        wait_http(f"http://127.0.0.1:{port}/health", timeout=120)
-        time.sleep(1.0)  # the load monitor's first health check: uptime counts from there
-        yield f"http://127.0.0.1:{port}", url, serve
-    finally:
-        if serve.process.poll() is None:
-            serve.stop()
+    # the settle: the load monitor's first look at the engine before our requests
+    policy = POLICY.format(base=llama_server.base_url + "/v1", hour=HOUR_USD)
+    with served_gateway(tmp_path_factory.mktemp("llamacpp-gateway"), policy) as served:
+        yield served
 
 
 def _client(root: str) -> openai.OpenAI:
@@ -317,17 +307,8 @@ def test_a_fleet_of_llama_servers_without_metrics(tmp_path):
     ejected, and each replica's rows are priced from its own timings."""
     servers = [_start(metrics=False), _start(metrics=False)]
     try:
-        url = f"sqlite:///{tmp_path / 'ledger.db'}"
-        db.upgrade(url)
-        policy = tmp_path / "policy.yaml"
-        policy.write_text(FLEET_POLICY.format(a=servers[0].base_url + "/v1", b=servers[1].base_url + "/v1",
-                                              hour=HOUR_USD))
-        port = free_port()
-        serve = Serve(tmp_path, "--policy", str(policy), "--port", str(port), "--database-url", url)
-        try:
-            root = f"http://127.0.0.1:{port}"
-            wait_http(root + "/health", timeout=120)
-            time.sleep(1.5)  # a few health probes
+        policy = FLEET_POLICY.format(a=servers[0].base_url + "/v1", b=servers[1].base_url + "/v1", hour=HOUR_USD)
+        with served_gateway(tmp_path, policy, settle_s=1.5) as (root, url, serve):  # settle: a few health probes
             assert httpx.get(root + "/health", timeout=10).json()["backends"] == {"llama": "up"}
             client = _client(root)
             replicas = set()
@@ -342,9 +323,6 @@ def test_a_fleet_of_llama_servers_without_metrics(tmp_path):
             for row in rows:
                 _check_priced(row)
             assert "ejected" not in serve.output and "Traceback" not in serve.output
-        finally:
-            if serve.process.poll() is None:
-                serve.stop()
     finally:
         for server in servers:
             server.stop()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import platform
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import openai
@@ -19,8 +18,8 @@ import sqlalchemy as sa
 
 from gateway import db
 from gateway.engine_scrape import parse_vllm
-from tests.e2e.conftest import free_port, ledger_rows, wait_http
-from tests.e2e.test_serve_start import MASTER, Serve
+from tests.e2e.conftest import ledger_rows
+from tests.e2e.test_serve_start import MASTER, served_gateway
 
 HOUR_USD = 3.6
 POLICY = """\
@@ -65,20 +64,10 @@ def vllm_server():
 
 @pytest.fixture(scope="module")
 def gateway(vllm_server, tmp_path_factory):
-    tmp: Path = tmp_path_factory.mktemp("vllm-gateway")
-    url = f"sqlite:///{tmp / 'ledger.db'}"
-    db.upgrade(url)
-    policy = tmp / "policy.yaml"
-    policy.write_text(POLICY.format(base=vllm_server.base_url + "/v1", hour=HOUR_USD))
-    port = free_port()
-    serve = Serve(tmp, "--policy", str(policy), "--port", str(port), "--database-url", url)
-    try:
-        wait_http(f"http://127.0.0.1:{port}/health", timeout=120)
-        time.sleep(1.0)  # the load monitor's first scrape: vLLM's counters before our requests
-        yield f"http://127.0.0.1:{port}", url, serve
-    finally:
-        if serve.process.poll() is None:
-            serve.stop()
+    # the settle: the load monitor's first look at the engine before our requests
+    policy = POLICY.format(base=vllm_server.base_url + "/v1", hour=HOUR_USD)
+    with served_gateway(tmp_path_factory.mktemp("vllm-gateway"), policy) as served:
+        yield served
 
 
 def _engine(vllm_server) -> tuple[float, float]:

@@ -10,6 +10,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -18,6 +20,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
+from gateway import db
 from gateway.testing.tcp_proxy import TcpProxy
 from tests.conftest import fresh_pg_database
 from tests.e2e.conftest import free_port, run_cli, wait_http
@@ -84,6 +87,25 @@ class Serve:
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait()
+
+
+@contextmanager
+def served_gateway(tmp: Path, policy_text: str, settle_s: float = 1.0) -> Iterator[tuple[str, str, Serve]]:
+    """A `switchyard serve` subprocess on a fresh SQLite ledger in `tmp` with this policy: (root URL, database URL,
+    the process). `settle_s`: a wait after /health answers (the load monitor's first scrape of the engine)."""
+    url = f"sqlite:///{tmp / 'ledger.db'}"
+    db.upgrade(url)
+    policy = tmp / "policy.yaml"
+    policy.write_text(policy_text)
+    port = free_port()
+    serve = Serve(tmp, "--policy", str(policy), "--port", str(port), "--database-url", url)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", timeout=120)
+        time.sleep(settle_s)
+        yield f"http://127.0.0.1:{port}", url, serve
+    finally:
+        if serve.process.poll() is None:
+            serve.stop()
 
 
 @pytest.fixture
