@@ -23,22 +23,6 @@ from gateway.listen_address import free_port  # the one; e2e files import it fro
 MASTER_KEY = "sk-test-master"
 
 
-# One engine-kind route (`local`) over a stand-in (format with `standin=` its base URL): the smallest gateway
-# the fault tests need.
-ONE_ENGINE_ROUTE_POLICY = """
-backends:
-  eng:
-    kind: engine
-    model: demo-model
-    api_base: {standin}
-    gpu_hour_usd: 3.6
-routes:
-  local:
-    strategy: fixed
-    backend: eng
-"""
-
-
 @dataclass
 class RunningGateway:
     base_url: str  # …/v1

@@ -21,6 +21,16 @@ def engine(api_base: str, model: str = "demo-model", **fields: Any) -> dict[str,
     return {"kind": "engine", "model": model, "api_base": api_base, **fields}
 
 
+def fleet(api_bases: list[str], model: str = "demo-model", **fields: Any) -> dict[str, Any]:
+    """An engine-kind backend over several replicas (`api_bases`), balanced by the gateway."""
+    return {"kind": "engine", "model": model, "api_bases": list(api_bases), **fields}
+
+
+def embedded(model_path: object, model: str = "tiny", **fields: Any) -> dict[str, Any]:
+    """An engine the gateway starts itself (`launch: embedded`) from the checkpoint at `model_path`."""
+    return {"kind": "engine", "launch": "embedded", "model": model, "engine_model_path": str(model_path), **fields}
+
+
 def litellm(api_base: str, model: str = "openai/gpt-4o-mini", **fields: Any) -> dict[str, Any]:
     """A litellm-kind backend at `api_base`, its key in $STANDIN_API_KEY."""
     return {"kind": "litellm", "model": model, "api_base": api_base, "api_key_env": STANDIN_KEY_ENV, **fields}
@@ -41,6 +51,11 @@ def difficulty(easy: str, hard: str, model_path: object, threshold: float = 0.5,
     """A difficulty route: `easy` below `threshold`, `hard` at or above it, scored by the model at `model_path`."""
     return {"strategy": "difficulty", "easy": easy, "hard": hard, "threshold": threshold,
             "model_path": str(model_path), **fields}
+
+
+def one_engine_route(api_base: str) -> str:
+    """The smallest gateway the fault tests need: route `local` to engine backend `eng` at `api_base`."""
+    return policy(backends={"eng": engine(api_base, gpu_hour_usd=3.6)}, routes={"local": fixed("eng")})
 
 
 def policy(backends: dict[str, dict[str, Any]], routes: dict[str, dict[str, Any]], **top: Any) -> str:

@@ -15,9 +15,8 @@ from sqlalchemy.engine import make_url
 from gateway import db
 from gateway.keys import create_key
 from gateway.testing.tcp_proxy import TcpProxy
-from tests.e2e.conftest import ONE_ENGINE_ROUTE_POLICY, ledger_rows, run_gateway
-
-POLICY = ONE_ENGINE_ROUTE_POLICY
+from tests.e2e.conftest import ledger_rows, run_gateway
+from tests.e2e.policy_builder import one_engine_route
 
 
 @pytest.fixture
@@ -57,7 +56,7 @@ def _chat(base_url: str, key: str) -> httpx.Response:
 def test_a_database_outage_keeps_known_keys_working_and_refuses_what_it_cannot_check(standin, tmp_path,
                                                                                       pg_behind_proxy):
     url, direct_url, proxy = pg_behind_proxy
-    with run_gateway(POLICY.format(standin=standin), tmp_path, database_url=url) as gateway:
+    with run_gateway(one_engine_route(standin), tmp_path, database_url=url) as gateway:
         (good, good_id), (revoked, revoked_id) = _make_keys(direct_url, 2)
         assert _chat(gateway.base_url, good).status_code == 200
         assert _chat(gateway.base_url, revoked).status_code == 200
@@ -105,7 +104,7 @@ def test_a_database_that_stops_answering_costs_known_keys_one_bounded_wait(stand
     from gateway.auth import LOOKUP_TIMEOUT_S
 
     url, direct_url, proxy = pg_behind_proxy
-    with run_gateway(POLICY.format(standin=standin), tmp_path, database_url=url) as gateway:
+    with run_gateway(one_engine_route(standin), tmp_path, database_url=url) as gateway:
         [(good, _)] = _make_keys(direct_url, 1)
         assert _chat(gateway.base_url, good).status_code == 200
         proxy.hold()

@@ -12,9 +12,9 @@ import openai
 import psycopg
 import pytest
 
-from tests.e2e.conftest import MASTER_KEY, ONE_ENGINE_ROUTE_POLICY, ledger_rows, run_gateway
+from tests.e2e.conftest import MASTER_KEY, ledger_rows, run_gateway
+from tests.e2e.policy_builder import one_engine_route
 
-POLICY = ONE_ENGINE_ROUTE_POLICY
 HI = [{"role": "user", "content": "hi"}]
 
 
@@ -32,7 +32,7 @@ def _wait(predicate, timeout: float = 20.0):
 
 
 def test_a_nul_in_a_model_name_is_one_clean_row_and_health_reports_the_spool(pg_url, standin, tmp_path):
-    with run_gateway(POLICY.format(standin=standin), tmp_path, database_url=pg_url) as gateway:
+    with run_gateway(one_engine_route(standin), tmp_path, database_url=pg_url) as gateway:
         client = openai.OpenAI(base_url=gateway.base_url, api_key=MASTER_KEY, max_retries=0)
         with pytest.raises(openai.APIStatusError) as refused:  # the attack: any key, one NUL
             client.chat.completions.create(model="x\u0000", messages=HI, max_tokens=2)

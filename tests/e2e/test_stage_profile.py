@@ -15,7 +15,8 @@ import httpx
 import openai
 
 from gateway import db, keys, stage_profile
-from tests.e2e.conftest import MASTER_KEY, ONE_ENGINE_ROUTE_POLICY, run_gateway
+from tests.e2e.conftest import MASTER_KEY, run_gateway
+from tests.e2e.policy_builder import one_engine_route
 
 ROOT = Path(__file__).resolve().parents[2]
 PLAIN_STAGES = ["edge", "auth", "body", "route", "reserve", "admit", "send", "upstream", "dispatch", "finish",
@@ -30,7 +31,7 @@ def _profile(gateway, key: str = MASTER_KEY, reset: bool = False) -> httpx.Respo
 def test_each_request_stage_is_timed_per_route(standin, tmp_path, monkeypatch):
     monkeypatch.setattr(stage_profile, "ENABLED", True)
     stage_profile.STORE.reset()
-    with run_gateway(ONE_ENGINE_ROUTE_POLICY.format(standin=standin), tmp_path) as gateway:
+    with run_gateway(one_engine_route(standin), tmp_path) as gateway:
         client = openai.OpenAI(base_url=gateway.base_url, api_key=MASTER_KEY, max_retries=0)
         for i in range(5):
             client.chat.completions.create(model="local", messages=[{"role": "user", "content": f"hi {i}"}],
@@ -66,7 +67,7 @@ def test_each_request_stage_is_timed_per_route(standin, tmp_path, monkeypatch):
 
 def test_the_profile_endpoint_does_not_exist_unless_switched_on(standin, tmp_path, monkeypatch):
     monkeypatch.setattr(stage_profile, "ENABLED", False)
-    with run_gateway(ONE_ENGINE_ROUTE_POLICY.format(standin=standin), tmp_path) as gateway:
+    with run_gateway(one_engine_route(standin), tmp_path) as gateway:
         assert _profile(gateway).status_code == 404
 
 

@@ -6,9 +6,8 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import MASTER_KEY, ONE_ENGINE_ROUTE_POLICY, ledger_rows, run_gateway
-
-POLICY = ONE_ENGINE_ROUTE_POLICY
+from tests.e2e.conftest import MASTER_KEY, ledger_rows, run_gateway
+from tests.e2e.policy_builder import one_engine_route
 
 
 class _Broken:
@@ -20,7 +19,7 @@ class _Broken:
 
 @pytest.fixture
 def gateway(standin, tmp_path):
-    with run_gateway(POLICY.format(standin=standin), tmp_path) as running:
+    with run_gateway(one_engine_route(standin), tmp_path) as running:
         services = running.gw.services
         real = {name: getattr(services, name) for name in ("auth", "limiter", "policy_store")}
         try:
