@@ -2,9 +2,11 @@
 so a rerun of the same command continues where the last one stopped:
 
   1. prompts   the --prompts file or the default set; a hashed share held out for the acceptance report
-  2. capture   the teacher's greedy continuations + its streams after the feature layers (WORK/eagle/shard-*)
+  2. capture   the teacher's greedy continuations (fast path), then its streams after the feature layers from
+               one capturing prefill per sequence (WORK/eagle/shard-*)
   3. head      the draft's head rows: the teacher's most frequent output tokens (+ EOS)
-  4. train     one decoder layer over fused features + next-token embedding (WORK/eagle-checkpoint.pt)
+  4. train     one decoder layer over fused features + next-token embedding, unrolled over the drafting steps
+               (training-time test; WORK/eagle-checkpoint.pt)
   5. export    OUT (int8 storage, model card); acceptance by position measured through the engine on held-out
                prompts (greedy, K drafts verified at every step)
 """
@@ -21,8 +23,8 @@ import torch
 
 from hosted.config import ModelConfig
 from hosted.distill import prompts as prompt_sets
-from hosted.distill.eagle_data import capture_shards, load_shard
-from hosted.distill.eagle_train import train_eagle
+from hosted.distill.eagle_data import CaptureStats, capture_shards, load_shard
+from hosted.distill.eagle_train import STEP_DECAY, UNROLL_STEPS, train_eagle
 from hosted.distill.run import DistillSettings, _claim_work_dir
 from hosted.distill.student import teacher_state
 from hosted.distill.teacher import encode_prompts
@@ -62,14 +64,16 @@ def distill_eagle(s: DistillSettings, log: Callable[[str], None] = print) -> dic
     layers = feature_layers_for(cfg.num_hidden_layers)
     with StopRequest() as stop:
         t0 = time.perf_counter()
+        cap = CaptureStats()
         shards = capture_shards(s.teacher, train_ids, layers, s.max_new_tokens, s.shard_prompts, work / "eagle",
-                                s.tokens, stop, s.progress)
+                                s.tokens, stop, s.progress, stats=cap)
         if stop():
             return None
         examples = [e for path in shards for e in load_shard(path)]
         teacher_tokens = sum(int(e.tokens.shape[0]) - e.prompt_len for e in examples)
         log(f"teacher features: {len(examples)} continuations, {teacher_tokens:,} tokens "
-            f"({time.perf_counter() - t0:.0f} s this run)")
+            f"({time.perf_counter() - t0:.0f} s this run: generation {cap.generate_s:.0f} s, capture "
+            f"{cap.capture_s:.0f} s)")
         head = choose_head(examples, min(s.head_vocab or cfg.vocab_size, cfg.vocab_size), cfg)
         draft = new_draft(s.teacher, cfg, layers, head, s.seed)
         settings = TrainSettings("fkl", s.epochs, s.batch_size, s.lr, s.seed, s.bf16, s.checkpoint_every)
@@ -84,7 +88,10 @@ def distill_eagle(s: DistillSettings, log: Callable[[str], None] = print) -> dic
             "teacher_tokens": teacher_tokens, "train_examples": len(examples), "head_coverage": coverage,
             "steps": state.step, "train_seconds": state.seconds,
             "first_loss": state.history[0]["loss"] if state.history else None,
-            "final_loss": _tail(state.history), "num_speculative_tokens": s.num_speculative_tokens}
+            "final_loss": _tail(state.history), "num_speculative_tokens": s.num_speculative_tokens,
+            "unroll_steps": UNROLL_STEPS, "step_decay": STEP_DECAY,
+            "data_seconds_this_run": {"generate": cap.generate_s, "capture": cap.capture_s,
+                                      "generated_tokens": cap.generated, "captured_positions": cap.captured}}
         out = Path(s.out)
         size = save_eagle(draft, out, model_card(report), {"distill": eagle_key(s)})
         acc = measure_eagle(s.teacher, str(out), eval_ids, s.eval_tokens, s.num_speculative_tokens)
@@ -171,10 +178,12 @@ def model_card(r: dict[str, Any]) -> str:
          f"outputs), read from the target at load; the file holds only the trained tensors, int8 per 32 values"),
         "", "## Training", "",
         (f"- data: {r['teacher_tokens']:,} tokens of the teacher's own greedy continuations ({r['train_examples']:,} "
-         f"prompts, up to {st['max_new_tokens']} tokens) with its hidden states captured through the Switchyard "
-         f"engine's forward"),
-        (f"- loss: forward KL to the teacher's next-token distribution over the head rows + 0.1 x a normalised "
-         f"regression onto its last-layer stream, on target features and on the draft's own previous output; "
+         f"prompts, up to {st['max_new_tokens']} tokens; generated batched on the Switchyard engine's fast path), "
+         f"with its hidden states captured by one teacher-forced prefill of prompt + continuation per sequence"),
+        (f"- loss: training-time test over {r.get('unroll_steps', 1)} drafting steps (step 1 on the target's "
+         f"features, later steps on the draft's own previous output, attention as when serving), each step's "
+         f"loss weighted {r.get('step_decay', 1.0)}^(k-1): forward KL to the teacher's next-token distribution "
+         f"over the head rows + 0.1 x a normalised regression onto its last-layer stream; "
          f"{r['steps']} steps of batch {st['batch_size']} ({st['epochs']} epochs), AdamW lr {st['lr']}"),
         (f"- time: {r['train_seconds'] / 60:.1f} min of training on this machine's CPU; loss {r['first_loss']:.3f} "
          f"at the first step, {r['final_loss']:.3f} over the last 20"), ""]

@@ -1,11 +1,13 @@
 """Training the EAGLE draft on captured teacher features: deterministic batches, resumable checkpoints, a clean
 stop on Ctrl-C (the same contract as trainer.py, whose batch order, schedule and stop handling it reuses).
 
-Loss per continuation position p (input: fused features of p and token p + 1): forward KL from the teacher's
-distribution at p + 1 -- its own head read off its captured last-layer stream, over the draft's head rows --
-to the draft's, plus a small regression of the draft's output stream onto that teacher stream (normalised).
-A second pass trains the drafting regime: at continuation positions the draft's own output of the previous
-position replaces the target feature (what steps 2..k see when drafting), a one-step training-time test.
+Training-time test (EAGLE-3): every row is drafted UNROLL_STEPS steps deep at once (EagleDraft.unroll: step 1 on
+the target's features, steps 2.. on the draft's own previous output, each attending to what it sees when
+serving). Loss of step k at row p (predicting token p + 2 after the chain): forward KL from the teacher's
+distribution -- its own head read off its captured last-layer stream at p + 1, over the draft's head rows --
+to the draft's, plus a small regression of the draft's output stream onto that teacher stream (normalised);
+step k weighs STEP_DECAY ** (k - 1) (a later draft is reached less often). A row counts for step k when the
+chain's first draft comes after the prompt, as when serving.
 """
 from __future__ import annotations
 
@@ -22,48 +24,58 @@ from hosted.spec.eagle_model import EagleDraft, rms
 
 CHECKPOINT = "eagle-checkpoint.pt"
 REGRESSION_WEIGHT = 0.1
-SECOND_PASS_WEIGHT = 1.0
+UNROLL_STEPS = 4
+STEP_DECAY = 0.8
 
 
 def collate(examples: list[FeatureExample], hidden: int) -> tuple[torch.Tensor, ...]:
-    """(feats [B, M, F*H] fp32, next tokens [B, M], teacher last stream at p + 1 [B, M, H], loss mask [B, M],
-    own-feature mask [B, M]) for input positions p = 0..M-1, M = longest T - 2."""
+    """(feats [B, M, F*H] fp32, next tokens [B, M], teacher last stream at p + 1 [B, M, H], first row whose
+    prediction is a continuation token [B], rows [B]) for input positions p = 0..M-1, M = longest T - 2."""
     m = max(int(e.tokens.shape[0]) - 2 for e in examples)
     width = examples[0].feats.shape[1]
     feats = torch.zeros(len(examples), m, width)
     nxt = torch.zeros(len(examples), m, dtype=torch.int64)
     target = torch.zeros(len(examples), m, hidden)
-    mask = torch.zeros(len(examples), m, dtype=torch.bool)
-    own = torch.zeros(len(examples), m, dtype=torch.bool)
+    first = torch.zeros(len(examples), dtype=torch.int64)
+    rows = torch.zeros(len(examples), dtype=torch.int64)
     for b, e in enumerate(examples):
         n = int(e.tokens.shape[0]) - 2
         feats[b, :n] = e.feats[:n].float()
         nxt[b, :n] = e.tokens[1:n + 1]
         target[b, :n] = e.feats[1:n + 1, -hidden:].float()
-        mask[b, max(e.prompt_len - 1, 0):n] = True
-        own[b, e.prompt_len:n] = True
-    return feats, nxt, target, mask, own
+        first[b], rows[b] = max(e.prompt_len - 1, 0), n
+    return feats, nxt, target, first, rows
 
 
-def loss_on(draft: EagleDraft, examples: list[FeatureExample], bf16: bool) -> torch.Tensor:
+def step_masks(first: torch.Tensor, rows: torch.Tensor, width: int, steps: int) -> list[torch.Tensor]:
+    """[B, width] masks of the rows step k = 1..steps trains on: p < rows and p - (k - 1) >= first (the chain's
+    first draft is predicted from the last prompt position or later)."""
+    p = torch.arange(width)[None, :]
+    return [(p < rows[:, None]) & (p - (k - 1) >= first[:, None]) for k in range(1, steps + 1)]
+
+
+def loss_on(draft: EagleDraft, examples: list[FeatureExample], bf16: bool,
+            steps: int = UNROLL_STEPS) -> torch.Tensor:
     h = draft.shape.hidden_size
-    feats, nxt, target, mask, own = collate(examples, h)
+    feats, nxt, target, first, rows = collate(examples, h)
+    masks = step_masks(first, rows, feats.shape[1], steps)
     eps = draft.shape.rms_norm_eps
     with torch.no_grad():
-        teacher = F.log_softmax(draft.logits(target[mask]), dim=-1)
-        target_dir = rms(target[mask], torch.ones(h), eps)
+        teacher = F.log_softmax(draft.logits(target[masks[0]]), dim=-1)
+        target_dir = rms(target[masks[0]], torch.ones(h), eps)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        g = draft.fuse(feats)
-        out1 = draft(g, nxt)
-        shifted = torch.cat([g[:, :1], out1[:, :-1]], dim=1)
-        out2 = draft(torch.where(own[..., None], shifted, g), nxt)
+        outs = draft.unroll(draft.fuse(feats), nxt, steps)
     total = torch.zeros(())
-    for weight, out in ((1.0, out1), (SECOND_PASS_WEIGHT, out2)):
-        rows = out[mask].float()
-        log_q = F.log_softmax(draft.logits(rows), dim=-1)
-        kl = (teacher.exp() * (teacher - log_q)).sum(-1).mean()
-        reg = F.smooth_l1_loss(rms(rows, torch.ones(h), eps), target_dir)
-        total = total + weight * (kl + REGRESSION_WEIGHT * reg)
+    for k, (out, mask) in enumerate(zip(outs, masks)):
+        pick = mask[masks[0]]  # this step's rows among step 1's
+        if not bool(pick.any()):
+            continue
+        rows_k = out[mask].float()
+        log_q = F.log_softmax(draft.logits(rows_k), dim=-1)
+        log_p = teacher[pick]
+        kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean()
+        reg = F.smooth_l1_loss(rms(rows_k, torch.ones(h), eps), target_dir[pick])
+        total = total + STEP_DECAY ** k * (kl + REGRESSION_WEIGHT * reg)
     return total
 
 

@@ -7,7 +7,8 @@ stream h[p] imitates the target's last-layer stream at p + 1, so the target's ow
 read the next token off it. Drafting k tokens is autoregressive on the draft's own output: step j + 1 puts
 h (its previous output) where a target feature would go, beside the embedding of the token step j proposed.
 
-One module serves both uses: `forward` trains on padded [B, T] batches; `extend` serves one sequence over a
+One module serves both uses: `forward` and `unroll` (k drafting steps at once, the training-time test) train
+on padded [B, T] batches; `extend` serves one sequence over a
 contiguous KV cache of its own (the first call of a step feeds every position whose target features arrived
 since, the next k - 1 calls one draft position each). The embedding, final norm and head rows are the
 target's, never stored with the draft.
@@ -149,6 +150,43 @@ class EagleDraft(nn.Module):
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=s.num_heads != s.num_kv_heads)
         x = x + self.o_proj(attn.transpose(1, 2).reshape(b, t, -1))
         return self._mlp(x)
+
+    def unroll(self, g: torch.Tensor, next_tokens: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """Training-time test: the output streams [B, T, H] of drafting steps 1..steps at every row, each step
+        seeing exactly what it sees when serving. Step 1 is `forward` (target features g). Step k >= 2 at row i
+        (rotary position i) reads step k - 1's output at row i - 1 beside next_tokens[i] and attends to step 1's
+        keys at rows <= i - k + 1 (the positions fed with target features) and to step j's key at row
+        i - k + j for j = 2..k (the chain of drafts before it), as `extend` does over a sequence's cache.
+        Rows i < k - 1 have no such chain (their outputs are meaningless; the loss masks them)."""
+        s = self.shape
+        b, t, _ = g.shape
+        half = s.head_dim // 2
+        cos, sin = self.cos_sin[:t, :half], self.cos_sin[:t, half:]
+        rows = torch.arange(t, device=g.device)
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        outs: list[torch.Tensor] = []
+        for step in range(1, steps + 1):
+            inp = g if step == 1 else torch.cat([g[:, :1], outs[-1][:, :-1].to(g.dtype)], dim=1)
+            x = self._inputs(inp, next_tokens)
+            y = rms(x, self.input_layernorm, s.rms_norm_eps)
+            q = self.q_proj(y).view(b, t, s.num_heads, s.head_dim).transpose(1, 2)
+            k = self.k_proj(y).view(b, t, s.num_kv_heads, s.head_dim).transpose(1, 2)
+            v = self.v_proj(y).view(b, t, s.num_kv_heads, s.head_dim).transpose(1, 2)
+            q, k = _rotate(q, cos.to(q.dtype), sin.to(q.dtype)), _rotate(k, cos.to(k.dtype), sin.to(k.dtype))
+            keys.append(k)
+            values.append(v)
+            gqa = s.num_heads != s.num_kv_heads
+            if step == 1:
+                attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            else:
+                blocks = [rows[None, :] <= rows[:, None] - step + 1]
+                blocks += [rows[None, :] == rows[:, None] - step + j for j in range(2, step + 1)]
+                attn = F.scaled_dot_product_attention(q, torch.cat(keys, dim=2), torch.cat(values, dim=2),
+                                                      attn_mask=torch.cat(blocks, dim=1), enable_gqa=gqa)
+            x = x + self.o_proj(attn.transpose(1, 2).reshape(b, t, -1))
+            outs.append(self._mlp(x))
+        return outs
 
     # ---- serving ----------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -128,3 +128,40 @@ def test_cli_dispatches_the_eagle_method(tmp_path):
     args = parser.parse_args(["engine", "distill", "--method", "eagle", "--teacher", "x", "--out", "o",
                               "--shard-prompts", "8"])
     assert args.method == "eagle" and args.shard_prompts == 8
+
+
+def _random_draft(seed: int = 0):
+    from hosted.spec.eagle_model import EagleDraft, EagleShape
+    from kernels.reference import rotary_cos_sin
+
+    torch.manual_seed(seed)
+    shape = EagleShape(vocab_size=50, hidden_size=32, intermediate_size=48, num_heads=4, num_kv_heads=2,
+                       head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
+                       max_position_embeddings=64, feature_layers=[0, 1, 2], head_vocab=50)
+    draft = EagleDraft(shape)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.normal_(0, 0.3 if p.dim() == 2 else 1.0)
+    draft.attach_target(torch.randn(50, 32), torch.ones(32), torch.randn(50, 32), rotary_cos_sin(8, 64, 10000.0, None))
+    return draft.eval()
+
+
+def test_unrolled_training_steps_are_what_serving_computes():
+    """Step k of the training-time unroll at row i is the k-th drafting step when the target's features reach row
+    i - k + 1: the serving path (`extend` over a cache, chain drafts fed their own output) gives the same streams."""
+    from hosted.spec.eagle_model import DraftCache
+
+    draft = _random_draft()
+    t, steps = 12, 4
+    g = torch.randn(1, t, 32)
+    tokens = torch.randint(0, 50, (1, t))
+    with torch.no_grad():
+        outs = draft.unroll(g, tokens, steps)
+    for fed in (3, 7):  # the target's features reached rows 0..fed - 1
+        cache = DraftCache.empty(draft.shape)
+        h = draft.extend(cache, g[0, :fed], tokens[0, :fed], 0)[-1:]
+        torch.testing.assert_close(h[0], outs[0][0, fed - 1], rtol=1e-4, atol=1e-4)
+        for k in range(2, steps + 1):
+            row = fed - 1 + k - 1
+            h = draft.extend(cache, h, tokens[0, row:row + 1], row)
+            torch.testing.assert_close(h[0], outs[k - 1][0, row], rtol=1e-4, atol=1e-4)
