@@ -247,12 +247,16 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    tree_masks: torch.Tensor | None = None,
+    tree_starts: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """As kernels.ops.paged_decode_attention (fp32 or bf16 caches, head_dim a multiple of 16), or None.
     Raises ValueError for a block table entry outside the pool or a table too narrow for a length."""
     lib = library()
     if lib is None or not _attention_fits(q, k_cache, v_cache, converted_heads=k_cache.shape[2]):
         return None
+    if tree_masks is not None:
+        return None  # PARTIAL: tree masks not in the C kernels yet
     batch, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     cache_dtype = k_cache.dtype
@@ -292,7 +296,8 @@ def paged_decode_attention(
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
-                            scale: float) -> torch.Tensor | None:
+                            scale: float, tree_masks: torch.Tensor | None = None,
+                            tree_starts: torch.Tensor | None = None) -> torch.Tensor | None:
     """As kernels.ops.paged_prefill_attention (fp32 or bf16 caches, head_dim a multiple of 16), or None.
     Raises ValueError for a block table entry outside the pool, a table too narrow for a length, or more new
     tokens than a sequence's length."""
@@ -300,6 +305,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if (lib is None or not _attention_fits(q, k_cache, v_cache, converted_heads=1)
             or cu_seqlens_q.shape[0] != context_lens.shape[0] + 1):
         return None
+    if tree_masks is not None:
+        return None  # PARTIAL: tree masks not in the C kernels yet
     tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     cache_dtype = k_cache.dtype

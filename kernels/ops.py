@@ -267,17 +267,31 @@ def store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_
     select(key.device).store_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
+def _tree(tree_masks: Tensor | None, tree_starts: Tensor | None) -> tuple[Tensor, ...]:
+    """The trailing tree arguments of a backend's attention call: none when there are no masks."""
+    if tree_masks is None:
+        return ()
+    if tree_starts is None or tree_starts.shape != tree_masks.shape:
+        raise ValueError("attention: tree_masks and tree_starts must both be given, one entry per row")
+    return tree_masks, tree_starts
+
+
 def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, context_lens: Tensor,
-                           scale: float) -> Tensor:
-    """q [B, Hq, D]; seq b attends to positions 0..context_lens[b]-1 through block_tables [B, max_blocks]."""
-    return select(q.device).paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+                           scale: float, tree_masks: Tensor | None = None, tree_starts: Tensor | None = None) -> Tensor:
+    """q [B, Hq, D]; seq b attends to positions 0..context_lens[b]-1 through block_tables [B, max_blocks].
+    tree_masks int64 [B] / tree_starts int32 [B]: tree verification (hosted/layers/attention.py AttentionMetadata;
+    reference.tree_allowed); -1 rows are plain."""
+    return select(q.device).paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                                   *_tree(tree_masks, tree_starts))
 
 
 def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
-                            cu_seqlens_q: Tensor, context_lens: Tensor, scale: float) -> Tensor:
-    """Packed new tokens q [Tq, Hq, D] with causal attention over cached prefix + themselves."""
+                            cu_seqlens_q: Tensor, context_lens: Tensor, scale: float,
+                            tree_masks: Tensor | None = None, tree_starts: Tensor | None = None) -> Tensor:
+    """Packed new tokens q [Tq, Hq, D] with causal attention over cached prefix + themselves; tree masks
+    ([Tq] each) as paged_decode_attention's."""
     return select(q.device).paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q,
-                                                    context_lens, scale)
+                                                    context_lens, scale, *_tree(tree_masks, tree_starts))
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:

@@ -65,8 +65,11 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    tree_masks: torch.Tensor | None = None,
+    tree_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence: q [B, Hq, D] attends to positions 0..context_lens[b]-1 -> [B, Hq, D].
+    With tree_masks / tree_starts ([B] each, see tree_allowed) a row sees only the positions its mask allows.
 
     fp32 math. Sequences are grouped into buckets of similar length (see _decode_plan), so a batch is
     not padded to its longest sequence; per bucket the K/V rows in use are gathered head-major into a
@@ -84,6 +87,7 @@ def paged_decode_attention(
         out.index_fill_(0, plan.zero_rows, 0.0)
     k_rows, v_rows = _cache_rows(k_cache), _cache_rows(v_cache)
     qs = q.float() * scale
+    tree = _live_tree(tree_masks, tree_starts)
     for chunk in plan.chunks:
         n, length = chunk.num_seqs, chunk.length
         k = _gather_rows(k_rows, k_cache, chunk.kv_rows, 0).view(n * num_kv_heads, length, head_dim)
@@ -92,13 +96,40 @@ def paged_decode_attention(
         scores = torch.bmm(qb.view(n * num_kv_heads, group, head_dim), k.transpose(1, 2))
         if chunk.mask is not None:
             scores.view(n, num_q_heads, length).add_(chunk.mask)
+        if tree is not None:
+            rows = torch.arange(n, device=q.device) if chunk.rows is None else chunk.rows
+            allowed = tree_allowed(tree[0][rows], tree[1][rows], torch.arange(length, device=q.device))
+            scores.view(n, num_q_heads, length).masked_fill_(~allowed[:, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
+        if tree is not None:
+            probs.nan_to_num_(0.0)  # a row its mask leaves nothing to see: zeros, like a zero-length context
         ob = torch.bmm(probs, v).view(n, num_q_heads, head_dim)
         if chunk.rows is None:
             out.copy_(ob)
         else:
             out.index_copy_(0, chunk.rows, ob.to(q.dtype))
     return out
+
+
+def tree_allowed(masks: torch.Tensor, starts: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """bool [R, L]: whether each row (tree mask int64 [R], group start [R]) may see each table position
+    ([L], or [R, L]) by its mask alone (the context length bounds it as well). -1: a plain row, sees all;
+    otherwise p < start, or bit (p - start) set (bit j: the verify group's j-th row; no bit past 63)."""
+    masks = masks.to(torch.int64)[:, None]
+    index = positions.to(torch.int64) - starts.to(torch.int64)[:, None]
+    bits = (masks >> index.clamp(0, 63)) & 1
+    return (masks == -1) | (index < 0) | ((index < 64) & (bits == 1))
+
+
+def _live_tree(masks: torch.Tensor | None, starts: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(masks, starts) as int64 when some row is masked, else None (every row plain)."""
+    if masks is None:
+        return None
+    if starts is None or starts.shape != masks.shape:
+        raise ValueError("tree_masks and tree_starts must both be given, one entry per row")
+    if not bool((masks != -1).any()):
+        return None
+    return masks.to(torch.int64), starts.to(torch.int64)
 
 
 @dataclass(slots=True, frozen=True)
@@ -249,14 +280,18 @@ def paged_prefill_attention(
     cu_seqlens_q: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    tree_masks: torch.Tensor | None = None,
+    tree_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Packed new tokens q [Tq, Hq, D]; token i of seq b sits at absolute position
-    context_lens[b] - q_len_b + i and attends causally to every position <= its own."""
+    context_lens[b] - q_len_b + i and attends causally to every position <= its own. With tree_masks /
+    tree_starts ([Tq] each, see tree_allowed) a row sees only those of them its mask allows as well."""
     block_size = k_cache.shape[1]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous whatever q's strides
     cu = cu_seqlens_q.tolist()
     lens = context_lens.tolist()
     tables = block_tables.to(torch.int64)
+    tree = _live_tree(tree_masks, tree_starts)
     for b, ctx in enumerate(lens):
         start, end = cu[b], cu[b + 1]
         q_len = end - start
@@ -268,7 +303,16 @@ def paged_prefill_attention(
         k = _gather_kv(k_cache, tables[b, :nblk], ctx).float().transpose(0, 1)  # [Hkv, ctx, D]
         v = _gather_kv(v_cache, tables[b, :nblk], ctx).float().transpose(0, 1)
         qb = q[start:end].float().transpose(0, 1)  # [Hq, q_len, D]
-        if ctx == q_len:
+        tree_rows = None
+        if tree is not None and bool((tree[0][start:end] != -1).any()):
+            tree_rows = tree_allowed(tree[0][start:end], tree[1][start:end], torch.arange(ctx, device=q.device))
+        if tree_rows is not None:  # the causal mask below and the tree's; a row left nothing to see gets zeros
+            positions = torch.arange(ctx - q_len, ctx, device=q.device)
+            mask = (torch.arange(ctx, device=q.device)[None, :] <= positions[:, None]) & tree_rows
+            ob = F.scaled_dot_product_attention(
+                qb[None], k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=True
+            ).nan_to_num_(0.0)
+        elif ctx == q_len:
             ob = F.scaled_dot_product_attention(
                 qb[None], k[None], v[None], is_causal=True, scale=scale, enable_gqa=True
             )

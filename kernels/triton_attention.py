@@ -196,10 +196,14 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    tree_masks: torch.Tensor | None = None,
+    tree_starts: torch.Tensor | None = None,
     *,
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """See kernels.ops.paged_decode_attention. num_splits overrides the per-shape choice (tests)."""
+    if tree_masks is not None:
+        raise NotImplementedError("PARTIAL: tree masks not in the Triton decode kernel yet")
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
@@ -332,7 +336,11 @@ def paged_prefill_attention(
     cu_seqlens_q: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    tree_masks: torch.Tensor | None = None,
+    tree_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    if tree_masks is not None:
+        raise NotImplementedError("PARTIAL: tree masks not in the Triton prefill kernel yet")
     total_q, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = cu_seqlens_q.shape[0] - 1
