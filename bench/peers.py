@@ -81,7 +81,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -94,6 +93,7 @@ from typing import ClassVar, Self
 
 import httpx
 
+from bench import servers
 from gateway.listen_address import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -371,8 +371,9 @@ def export_hf_safetensors(gguf_path: str | Path | None = None, out_dir: str | Pa
 
 
 class _Server(contextlib.AbstractContextManager):
-    """A server process in its own process group, stdout+stderr to a log file, ready when ready_path answers
-    200. Subclasses set self.cmd, self.env, self.model and self.name before calling start()."""
+    """A server process started, awaited and stopped by bench/servers.py (its own process group, stdout+stderr
+    to a log file), ready when ready_path answers 200. Subclasses set self.cmd, self.env, self.model and
+    self.name before calling start()."""
 
     name = "server"  # subclasses: the log file's prefix
     ready_path = "/health"
@@ -391,60 +392,30 @@ class _Server(contextlib.AbstractContextManager):
         self.startup_s: float | None = None
 
     def start(self) -> Self:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
         self.logfile = self.log_dir / f"{self.name}-{time.strftime('%Y%m%d-%H%M%S')}-{self.port}.log"
         t0 = time.time()
-        with open(self.logfile, "w") as f:
-            f.write(f"$ {' '.join(self.cmd)}\n")
-            f.flush()
-            # start_new_session: its own process group, so shutdown reaches every child (vLLM's engine core).
-            self.proc = subprocess.Popen(self.cmd, stdout=f, stderr=subprocess.STDOUT, env=self.env,
-                                         start_new_session=True, stdin=subprocess.DEVNULL)
+        self.proc = servers.start(self.cmd, self.env, self.logfile, cwd=None)
         try:
-            self._wait_ready(t0 + self.startup_timeout_s)
-        except BaseException:  # a failed start (or Ctrl-C) leaves no server behind
+            servers.wait_http(self.base_url + self.ready_path, self.startup_timeout_s, process=self.proc)
+        except (RuntimeError, TimeoutError):
+            code = self.proc.poll()
+            self.stop()
+            why = (f"exited with {code} during startup" if code is not None
+                   else f"not ready after {self.startup_timeout_s:.0f} s")
+            raise RuntimeError(f"{self.name} {why}: {' '.join(self.cmd)}\n--- tail of {self.logfile} ---\n"
+                               f"{_tail(self.logfile)}") from None
+        except BaseException:  # Ctrl-C while waiting leaves no server behind
             self.stop()
             raise
         self.startup_s = time.time() - t0
         log(f"{self.name} ready at {self.base_url} in {self.startup_s:.1f} s (log: {self.logfile})")
         return self
 
-    def _wait_ready(self, deadline: float) -> None:
-        with httpx.Client(timeout=5.0) as client:
-            while True:
-                if self.proc.poll() is not None:
-                    self._fail(f"exited with {self.proc.returncode} during startup")
-                try:
-                    if client.get(self.base_url + self.ready_path).status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-                if time.time() > deadline:
-                    self._fail(f"not ready after {self.startup_timeout_s:.0f} s")
-                time.sleep(0.5)
-
-    def _fail(self, why: str) -> None:
-        raise RuntimeError(f"{self.name} {why}: {' '.join(self.cmd)}\n--- tail of {self.logfile} ---\n"
-                           f"{_tail(self.logfile)}")
-
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGINT to the whole process group (both servers shut down cleanly on it), then SIGTERM, SIGKILL."""
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        for sig, wait in ((signal.SIGINT, timeout_s), (signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                proc.wait(timeout=wait)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        # Children that outlived the leader (same group): make sure none is left.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        if proc is not None:
+            servers.stop(proc, timeout_s)
 
     def __enter__(self) -> Self:
         return self.start()

@@ -1,7 +1,8 @@
 """Server processes for the benchmarks: start one with its output in a log file, wait until it answers, stop it.
 
 Each process gets its own session, so stop() reaches the workers it forks; a process that dies before it is
-ready fails the wait at once with the tail of its log instead of a time-out.
+ready fails the wait at once with the tail of its log instead of a time-out. The log's first line is the command.
+bench/peers.py's servers (llama.cpp, vLLM, ours) start and stop through here too.
 """
 from __future__ import annotations
 
@@ -19,12 +20,14 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def start(cmd: list[str], env: dict | None, log: Path) -> subprocess.Popen:
-    """Run `cmd` from the repository root with `env` over ours, stdout and stderr into `log`."""
+def start(cmd: list[str], env: dict | None, log: Path, cwd: Path | None = ROOT) -> subprocess.Popen:
+    """Run `cmd` in `cwd` (the repository root; None: ours) with `env` over ours, stdout and stderr into `log`."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "wb") as out:
+    with open(log, "w") as out:
+        out.write(f"$ {' '.join(map(str, cmd))}\n")
+        out.flush()
         process = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=out, stderr=subprocess.STDOUT,
-                                   cwd=ROOT, start_new_session=True)
+                                   stdin=subprocess.DEVNULL, cwd=cwd, start_new_session=True)
     process.log = log  # type: ignore[attr-defined]  # where log_tail() reads
     return process
 
@@ -67,16 +70,21 @@ def wait_port(port: int, timeout: float, process: subprocess.Popen | None = None
 
 
 def stop(process: subprocess.Popen, timeout: float = 30) -> None:
-    """SIGINT to the process group (a clean shutdown: ledgers flushed), SIGKILL after `timeout` s."""
+    """SIGINT to the process group (a clean shutdown: ledgers flushed), SIGTERM after `timeout` s, SIGKILL 10 s
+    later; then whatever of its group outlived it (vLLM's engine core) is killed."""
     if process.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGINT)
-        try:
-            process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        for sig, wait in ((signal.SIGINT, timeout), (signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(process.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                process.wait(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
 
 
 @contextlib.contextmanager
