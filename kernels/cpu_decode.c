@@ -248,8 +248,8 @@ int64_t sy_decode_layers(const sy_model *m, const float *hidden_in, int B, const
             BARRIER;
             sy_team_decode_attention(w.q_rot, qd, D, m->scale, L->k_cache, L->v_cache, m->kv_bf16, m->cache_sb,
                                      m->cache_so, m->cache_sh, m->num_blocks, m->block_size, tables, table_width,
-                                     lens, B, Hq, Hkv, D, w.attn, w.scores, score_stride, w.parts, threads, team, t,
-                                     nt);
+                                     lens, NULL, NULL, B, Hq, Hkv, D, w.attn, w.scores, score_stride, w.parts,
+                                     threads, team, t, nt);
             if (rows) round_rows(&L->o, w.attn, B, r0, r1, w.lowp);
             BARRIER;
             project_part(&L->o, w.attn, B, hidden, w.lowp, t, nt);

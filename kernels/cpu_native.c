@@ -380,7 +380,7 @@ static inline float row_max16(const float *s, int n) {
 static int decode_seq(const float *q, int64_t q_sh, float scale, const void *kc, const void *vc, int is_bf16,
                       int64_t sb, int64_t so, int64_t sh, const int32_t *table, int64_t num_blocks, int block_size,
                       int len, int Hq, int Hkv, int D, float *scores, float *out, float *stats,
-                      int ask_all) {
+                      int ask_all, int64_t tree_mask, int64_t tree_off) {
     float acc[SY_MAX_Q_HEADS * SY_MAX_HEAD_DIM] __attribute__((aligned(64)));
     float conv[SY_MAX_BLOCK_ROW] __attribute__((aligned(64)));
     const int G = Hq / Hkv, CH = D / 16, GT = tile_of(CH);
@@ -412,10 +412,22 @@ static int decode_seq(const float *q, int64_t q_sh, float scale, const void *kc,
     prefetch_block(vc, elem, table[0], sb, so, sh, NEXT_ROWS(0), Hkv, D, 0);
     /* softmax over t, per head; the score rows are padded to a multiple of 16 (pad: -inf -> exp 0) */
     float inv[SY_MAX_Q_HEADS];
+    /* a tree row: positions t + tree_off >= 0 of its verify group only where their bit is set (at most 64) */
+    const int tree_from = tree_mask == -1 ? len : tree_off >= 0 ? 0 : -tree_off < len ? (int)-tree_off : len;
     for (int j = 0; j < Hq; j++) {
         float *sj = scores + (int64_t)j * ld_s;
         for (int t = len; t < ld_s; t++) sj[t] = -INFINITY;
+        for (int t = tree_from; t < len; t++) {
+            const int64_t bit = t + tree_off;
+            if (bit >= 64 || !(((uint64_t)tree_mask >> bit) & 1)) sj[t] = -INFINITY;
+        }
         const float mx = row_max16(sj, ld_s);
+        if (mx == -INFINITY) { /* every position masked (a part of tree positions only): no weight, no NaN */
+            memset(sj, 0, sizeof(float) * ld_s);
+            inv[j] = 0.0f;
+            if (stats) stats[2 * j] = -INFINITY, stats[2 * j + 1] = 0.0f;
+            continue;
+        }
         v16 sum = {0};
         for (int t = 0; t < ld_s; t += 16) {
             const v16 e = exp_nonpos16(ld(sj + t) - mx);
@@ -493,6 +505,8 @@ typedef struct {
     const int32_t *tables;
     int64_t table_stride;
     const int32_t *lens;
+    const int64_t *tree_masks; /* NULL: every row plain */
+    const int32_t *tree_starts;
     int Hq, Hkv, D;
     float *out, *scratch, *parts;
     int64_t scratch_stride;
@@ -517,9 +531,11 @@ static int attention_unit(const attn_plan *pl, const attn_args *a, int unit) {
     const int64_t elem = a->is_bf16 ? 2 : 4;
     /* one kv head: the caches from that head on, as if they held only it */
     const char *kc = (const char *)a->k_cache + h * a->sh * elem, *vc = (const char *)a->v_cache + h * a->sh * elem;
+    const int64_t mask = a->tree_masks ? a->tree_masks[b] : -1;
+    const int64_t off = mask == -1 ? 0 : (int64_t)first * block_size - a->tree_starts[b];
     return decode_seq(qb, a->q_sh, a->scale, kc, vc, a->is_bf16, a->sb, a->so, a->sh,
                       a->tables + (int64_t)b * a->table_stride + first, a->num_blocks, block_size, part_len, heads,
-                      pl->split ? 1 : a->Hkv, D, scores, ob, stats, pl->chunks > 1);
+                      pl->split ? 1 : a->Hkv, D, scores, ob, stats, pl->chunks > 1, mask, off);
 }
 
 /* A pair's attention over the whole sequence from its parts: part c weighted by exp(max_c - max) * sum_c. */
@@ -562,13 +578,16 @@ int sy_decode_attention_shape_ok(int Hq, int Hkv, int D, int block_size, int is_
  * tables: int32, row b at tables + b * table_stride, table_width entries used; lens: int32 [B];
  * scratch: [threads, scratch_stride] fp32 with
  * scratch_stride >= Hq * round_up(max len, 16) (checked: the caller may size it from a cached max).
- * len <= 0 gives zeros. Returns 0; 1 if a block id was out of range; 2 if the shape is unsupported;
+ * len <= 0 gives zeros. tree_masks (int64 [B]) / tree_starts (int32 [B]), or NULL: tree verification rows
+ * (hosted/layers/attention.py AttentionMetadata): row b with mask m != -1 sees position p < len only if
+ * p < tree_starts[b] or bit p - tree_starts[b] of m is set; a row that sees nothing gives zeros.
+ * Returns 0; 1 if a block id was out of range; 2 if the shape is unsupported;
  * 3 if a length needs more table columns than table_width or more scratch than scratch_stride. */
 int sy_decode_attention(const float *q, int64_t q_sb, int64_t q_sh, float scale, const void *k_cache,
                         const void *v_cache, int is_bf16, int64_t sb,
                         int64_t so, int64_t sh, int64_t num_blocks, int block_size, const int32_t *tables,
-                        int64_t table_stride, int64_t table_width, const int32_t *lens, int B, int Hq, int Hkv,
-                        int D, float *out,
+                        int64_t table_stride, int64_t table_width, const int32_t *lens, const int64_t *tree_masks,
+                        const int32_t *tree_starts, int B, int Hq, int Hkv, int D, float *out,
                         float *scratch, int64_t scratch_stride, int threads) {
     if (!attention_shape_ok(Hq, Hkv, D, block_size, is_bf16)) return 2;
     for (int b = 0; b < B; b++) {
@@ -578,7 +597,7 @@ int sy_decode_attention(const float *q, int64_t q_sb, int64_t q_sh, float scale,
     }
     attn_plan pl = plan_attention(B, Hq, Hkv, D, threads);
     attn_args a = {q, q_sb, q_sh, scale, k_cache, v_cache, is_bf16, sb, so, sh, num_blocks, block_size, tables,
-                   table_stride, lens, Hq, Hkv, D, out, scratch, NULL, scratch_stride};
+                   table_stride, lens, tree_masks, tree_starts, Hq, Hkv, D, out, scratch, NULL, scratch_stride};
     if (pl.chunks > 1 && !(a.parts = malloc(sizeof(float) * pl.part_floats * pl.pairs * pl.chunks))) pl.chunks = 1;
     const int units = pl.pairs * pl.chunks;
     int bad = 0;
@@ -598,12 +617,13 @@ int sy_decode_attention(const float *q, int64_t q_sb, int64_t q_sh, float scale,
 void sy_team_decode_attention(const float *q, int64_t q_sb, int64_t q_sh, float scale, const void *k_cache,
                               const void *v_cache, int is_bf16, int64_t sb, int64_t so, int64_t sh,
                               int64_t num_blocks, int block_size, const int32_t *tables, int64_t table_stride,
-                              const int32_t *lens, int B, int Hq, int Hkv, int D, float *out, float *scratch,
-                              int64_t scratch_stride, float *parts, int threads, void *team, int t, int nt) {
+                              const int32_t *lens, const int64_t *tree_masks, const int32_t *tree_starts, int B,
+                              int Hq, int Hkv, int D, float *out, float *scratch, int64_t scratch_stride,
+                              float *parts, int threads, void *team, int t, int nt) {
     const attn_plan pl = plan_attention(B, Hq, Hkv, D, threads);
     const attn_args a = {q, q_sb, q_sh, scale, k_cache, v_cache, is_bf16, sb, so, sh, num_blocks, block_size,
-                         tables, table_stride, lens, Hq, Hkv, D, out, scratch, pl.chunks > 1 ? parts : NULL,
-                         scratch_stride};
+                         tables, table_stride, lens, tree_masks, tree_starts, Hq, Hkv, D, out, scratch,
+                         pl.chunks > 1 ? parts : NULL, scratch_stride};
     const int units = pl.pairs * pl.chunks;
     for (int unit = sy_team_next(team); unit < units; unit = sy_team_next(team)) (void)attention_unit(&pl, &a, unit);
     sy_team_barrier(team, nt);
@@ -621,14 +641,16 @@ void sy_team_decode_attention(const float *q, int64_t q_sb, int64_t q_sh, float 
  * -- the sequence's K/V stay in L2/L3 while its tokens pass over them. torch's SDPA here ran the chunked,
  * masked prefill of a 64-request batch at ~a fifth of its bf16 step time (MKL sgemm on small tiles).
  * out [T, Hq, D] fp32 contiguous; other arguments as sy_decode_attention (scratch_stride >= Hq *
- * round_up(max lens, 16)). Returns 0; 1 for a block id outside the pool; 2 for an unsupported shape; 3 if a
+ * round_up(max lens, 16)). tree_masks / tree_starts ([T], numbered as q's rows, or NULL): as sy_decode_attention's,
+ * on top of the causal mask. Returns 0; 1 for a block id outside the pool; 2 for an unsupported shape; 3 if a
  * length needs more table columns than table_width or scratch than scratch_stride, or a sequence has more
  * new tokens than its length. */
 int sy_prefill_attention(const float *q, int64_t q_st, int64_t q_sh, float scale, const void *k_cache,
                          const void *v_cache, int is_bf16, int64_t sb, int64_t so, int64_t sh, int64_t num_blocks,
                          int block_size, const int32_t *tables, int64_t table_stride, int64_t table_width,
-                         const int32_t *cu, const int32_t *lens, int P, int Hq, int Hkv, int D, float *out,
-                         float *scratch, int64_t scratch_stride, int threads) {
+                         const int32_t *cu, const int32_t *lens, const int64_t *tree_masks,
+                         const int32_t *tree_starts, int P, int Hq, int Hkv, int D, float *out, float *scratch,
+                         int64_t scratch_stride, int threads) {
     if (!attention_shape_ok(Hq, 1, D, block_size, is_bf16) || Hkv <= 0 || Hq % Hkv) return 2;
     if (P <= 0) return 0;
     for (int p = 0; p < P; p++) {
@@ -653,9 +675,10 @@ int sy_prefill_attention(const float *q, int64_t q_st, int64_t q_sh, float scale
         const int p = lo, len = lens[p] - (cu[p + 1] - 1 - row); /* positions 0 .. own */
         float *scores = thread_scratch(scratch, scratch_stride);
         const char *kc = (const char *)k_cache + h * sh * elem, *vc = (const char *)v_cache + h * sh * elem;
+        const int64_t mask = tree_masks ? tree_masks[t] : -1, off = mask == -1 ? 0 : -(int64_t)tree_starts[t];
         bad |= decode_seq(q + (int64_t)t * q_st + (int64_t)h * G * q_sh, q_sh, scale, kc, vc, is_bf16, sb, so, sh,
                           tables + (int64_t)p * table_stride, num_blocks, block_size, len, G, 1, D, scores,
-                          out + ((int64_t)t * Hq + (int64_t)h * G) * D, NULL, 0);
+                          out + ((int64_t)t * Hq + (int64_t)h * G) * D, NULL, 0, mask, off);
     }
     return bad;
 }

@@ -255,8 +255,6 @@ def paged_decode_attention(
     lib = library()
     if lib is None or not _attention_fits(q, k_cache, v_cache, converted_heads=k_cache.shape[2]):
         return None
-    if tree_masks is not None:
-        return None  # PARTIAL: tree masks not in the C kernels yet
     batch, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     cache_dtype = k_cache.dtype
@@ -268,6 +266,7 @@ def paged_decode_attention(
         context_lens.to(_I32).contiguous()
     tables = block_tables if block_tables.dtype == _I32 and block_tables.is_contiguous() else \
         block_tables.to(_I32).contiguous()
+    masks, starts = _tree_pointers(tree_masks, tree_starts, batch)
     st = _local
     if context_lens is not st.lens:  # a new step (the C side checks every length against the sizes used)
         st.lens, st.max_len = context_lens, max(int(lens.max()), 1)
@@ -278,9 +277,9 @@ def paged_decode_attention(
         rc = lib.sy_decode_attention(
             qf.data_ptr(), qf.stride(0), qf.stride(1), scale, k_cache.data_ptr(), v_cache.data_ptr(),
             int(cache_dtype == _BF16), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), num_blocks,
-            block_size, tables.data_ptr(), tables.stride(0), tables.shape[1], lens.data_ptr(), batch, num_q_heads,
-            num_kv_heads,
-            head_dim, out.data_ptr(), scores.data_ptr(), per_thread, threads)
+            block_size, tables.data_ptr(), tables.stride(0), tables.shape[1], lens.data_ptr(), masks.pointer,
+            starts.pointer, batch, num_q_heads, num_kv_heads, head_dim, out.data_ptr(), scores.data_ptr(), per_thread,
+            threads)
         if rc != 3 or attempt:
             break
         st.max_len = max(int(lens.max()), 1)  # lengths changed in place since they were cached: re-read
@@ -305,8 +304,6 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if (lib is None or not _attention_fits(q, k_cache, v_cache, converted_heads=1)
             or cu_seqlens_q.shape[0] != context_lens.shape[0] + 1):
         return None
-    if tree_masks is not None:
-        return None  # PARTIAL: tree masks not in the C kernels yet
     tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     cache_dtype = k_cache.dtype
@@ -319,7 +316,10 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if int(cu[-1]) - int(cu[0]) != tokens:
         raise ValueError(f"paged_prefill_attention: cu_seqlens_q spans {int(cu[-1]) - int(cu[0])} tokens, q has {tokens}")
     threads = max(1, torch.get_num_threads())
-    if q.dtype == _BF16 and cache_dtype == _BF16:  # before any fp32 copy of q: the tiles read it as it is
+    masks, starts = _tree_pointers(tree_masks, tree_starts, tokens)
+    # Tree masks take the fp32-math kernel below, not the AMX tiles (which have no masks): a verify chunk is a few
+    # dozen rows, where the tiles' gain is small.
+    if q.dtype == _BF16 and cache_dtype == _BF16 and masks.pointer is None:  # before any fp32 copy of q
         amx = _amx_prefill_attention(lib, q, k_cache, v_cache, tables, cu, lens, scale, threads)
         if amx is not None:
             return amx
@@ -330,12 +330,40 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     rc = lib.sy_prefill_attention(
         qf.data_ptr(), qf.stride(0), qf.stride(1), scale, k_cache.data_ptr(), v_cache.data_ptr(),
         int(cache_dtype == _BF16), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), num_blocks, block_size,
-        tables.data_ptr(), tables.stride(0), tables.shape[1], cu.data_ptr(), lens.data_ptr(), seqs, num_q_heads,
-        num_kv_heads, head_dim, out.data_ptr(), scores.data_ptr(), per_thread, threads)
+        tables.data_ptr(), tables.stride(0), tables.shape[1], cu.data_ptr(), lens.data_ptr(), masks.pointer,
+        starts.pointer, seqs, num_q_heads, num_kv_heads, head_dim, out.data_ptr(), scores.data_ptr(), per_thread,
+        threads)
     _raise_prefill_error(rc, num_blocks, tables.shape[1])
     if rc != 0:
         return None
     return out if q.dtype == _F32 else out.to(q.dtype)
+
+
+class _Pointer:
+    """A tensor kept alive for as long as the address the kernel reads is used (None: NULL)."""
+
+    __slots__ = ("tensor", "pointer")
+
+    def __init__(self, tensor: torch.Tensor | None) -> None:
+        self.tensor = tensor
+        self.pointer = None if tensor is None else tensor.data_ptr()
+
+
+_NO_TREE = (_Pointer(None), _Pointer(None))
+
+
+def _tree_pointers(tree_masks: torch.Tensor | None, tree_starts: torch.Tensor | None,
+                   rows: int) -> tuple[_Pointer, _Pointer]:
+    """The kernels' tree_masks (int64) / tree_starts (int32) arguments: NULL for none."""
+    if tree_masks is None:
+        return _NO_TREE
+    if tree_starts is None or tree_masks.shape != (rows,) or tree_starts.shape != (rows,):
+        raise ValueError(f"attention: tree_masks / tree_starts must hold one entry per row ({rows})")
+    masks = tree_masks if tree_masks.dtype == _I64 and tree_masks.is_contiguous() else \
+        tree_masks.to(_I64).contiguous()
+    starts = tree_starts if tree_starts.dtype == _I32 and tree_starts.is_contiguous() else \
+        tree_starts.to(_I32).contiguous()
+    return _Pointer(masks), _Pointer(starts)
 
 
 def _raise_prefill_error(rc: int, num_blocks: int, table_width: int) -> None:

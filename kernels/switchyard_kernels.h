@@ -87,18 +87,20 @@ int sy_decode_attention_shape_ok(int Hq, int Hkv, int D, int block_size, int is_
 int sy_decode_attention(const float *q, int64_t q_sb, int64_t q_sh, float scale, const void *k_cache,
                         const void *v_cache, int is_bf16, int64_t sb, int64_t so, int64_t sh, int64_t num_blocks,
                         int block_size, const int32_t *tables, int64_t table_stride, int64_t table_width,
-                        const int32_t *lens, int B, int Hq, int Hkv, int D, float *out, float *scratch,
-                        int64_t scratch_stride, int threads);
+                        const int32_t *lens, const int64_t *tree_masks, const int32_t *tree_starts, int B, int Hq,
+                        int Hkv, int D, float *out, float *scratch, int64_t scratch_stride, int threads);
 void sy_team_decode_attention(const float *q, int64_t q_sb, int64_t q_sh, float scale, const void *k_cache,
                               const void *v_cache, int is_bf16, int64_t sb, int64_t so, int64_t sh,
                               int64_t num_blocks, int block_size, const int32_t *tables, int64_t table_stride,
-                              const int32_t *lens, int B, int Hq, int Hkv, int D, float *out, float *scratch,
-                              int64_t scratch_stride, float *parts, int threads, void *team, int t, int nt);
+                              const int32_t *lens, const int64_t *tree_masks, const int32_t *tree_starts, int B,
+                              int Hq, int Hkv, int D, float *out, float *scratch, int64_t scratch_stride,
+                              float *parts, int threads, void *team, int t, int nt);
 int sy_prefill_attention(const float *q, int64_t q_st, int64_t q_sh, float scale, const void *k_cache,
                          const void *v_cache, int is_bf16, int64_t sb, int64_t so, int64_t sh, int64_t num_blocks,
                          int block_size, const int32_t *tables, int64_t table_stride, int64_t table_width,
-                         const int32_t *cu, const int32_t *lens, int P, int Hq, int Hkv, int D, float *out,
-                         float *scratch, int64_t scratch_stride, int threads);
+                         const int32_t *cu, const int32_t *lens, const int64_t *tree_masks,
+                         const int32_t *tree_starts, int P, int Hq, int Hkv, int D, float *out, float *scratch,
+                         int64_t scratch_stride, int threads);
 void sy_linear_f32(const float *x, int64_t x_stride, const float *w, int64_t w_stride, const float *bias, float *y,
                    int64_t y_stride, int M, int64_t N, int64_t K, int threads);
 void sy_pack_panels_f32(const float *w, int64_t w_stride, int64_t N, int64_t K, float *out);
