@@ -1,6 +1,6 @@
-"""bench/servers.py's start/wait/stop, and bench/peers.py's servers built on it, with real subprocesses: a tiny HTTP
-server (python -m http.server), one that dies at start-up, one that never answers, and a process group whose
-child outlives its leader."""
+"""bench/servers.py's start/wait/stop, and bench/peers.py's servers built on it, with real subprocesses: a tiny
+HTTP server (python -m http.server), one that dies at start-up, one that never answers, and a process group
+whose child outlives its leader."""
 from __future__ import annotations
 
 import os
@@ -55,7 +55,7 @@ def test_a_peer_server_that_dies_at_startup_says_how_with_its_log(tmp_path):
     with pytest.raises(RuntimeError) as failed:
         server.start()
     assert time.monotonic() - started < 30  # not the start-up time-out
-    assert "tiny exited with 3 during startup" in str(failed.value)  # what engine_peers' --no-repack retry reads
+    assert "tiny exited with 3 during startup" in str(failed.value)  # engine_peers' --no-repack retry reads it
     assert "no such model file" in str(failed.value) and server.proc is None
 
 
@@ -69,7 +69,7 @@ def test_a_peer_server_never_ready_is_stopped_and_named(tmp_path):
 
 
 def test_stop_ends_a_child_that_outlives_its_leader(tmp_path):
-    """The leader exits on SIGINT; its child ignores SIGINT (as vLLM's engine core may): stop() kills it too."""
+    """The leader exits on SIGINT; its child ignores SIGINT (as vLLM's engine core may): stop() ends it too."""
     child_pid = tmp_path / "child.pid"
     child = "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(120)"
     leader = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', {child!r}]); "
@@ -87,3 +87,29 @@ def test_stop_ends_a_child_that_outlives_its_leader(tmp_path):
     while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(pid)
+
+
+def test_the_cheaper_peers_table_records_each_configuration_its_way(tmp_path, monkeypatch):
+    """bench/cheaper/peers.py's one table run: a configuration without a file, one measured on its live server,
+    one whose server dies at start-up, and (the budget spent) one skipped."""
+    from bench.cheaper import peers as cheaper
+
+    logged: list[str] = []
+
+    def measure(server, row: dict) -> None:
+        row["status"] = httpx.get(server.base_url + "/", timeout=5).status_code
+
+    dying = "raise SystemExit(3)"
+    rows = cheaper._table([("BF16", {"precision": "BF16"}, "no BF16 file"),
+                           ("tiny F32", {"precision": "F32"}, lambda: _TinyServer(tmp_path)),
+                           ("tiny Q8_0", {"precision": "Q8_0"}, lambda: _TinyServer(tmp_path, dying))],
+                          measure, logged.append)
+    assert rows[0] == {"precision": "BF16", "error": "no BF16 file"}
+    assert rows[1]["status"] == 200 and rows[1]["startup_s"] >= 0 and "http.server" in rows[1]["cmd"]
+    assert Path(rows[1]["log"]).parent == tmp_path and "error" not in rows[1]
+    assert rows[2]["error"] == "RuntimeError: tiny exited with 3 during startup" and "status" not in rows[2]
+    assert logged == [f"peers: tiny Q8_0 failed: {rows[2]['error']}"]
+    monkeypatch.setattr(cheaper, "_DEADLINE", [0.0])  # the section's budget spent
+    late_config = ("tiny F32", {"precision": "F32"}, lambda: _TinyServer(tmp_path))
+    [late] = cheaper._table([late_config], measure, logged.append)
+    assert late["skipped"] and "budget" in late["error"] and "status" not in late

@@ -56,6 +56,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -215,37 +216,52 @@ def _warm(server, prompt: list[int], tokens: int = 8) -> None:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _decode_llama(args, models: dict, prompt_ids: list[int], log) -> list[dict]:
+# (name, row, start): `start` makes the configuration's server, or says why there is none
+Config = tuple[str, dict, Callable[[], object] | str]
+
+
+def _table(configs: list[Config], measure: Callable[[object, dict], None], log) -> list[dict]:
+    """One table, a row per configuration (name, row, start): `start` makes its server (a context manager), or
+    says why there is none. Each server is started in turn, `measure(server, row)` fills its row, and it is
+    stopped; a configuration that fails is recorded with its error and the others carry on; once the budget is
+    spent, the rest are recorded as skipped."""
     out = []
-    ctx = _slot_ctx([prompt_ids], args.peers_new_tokens)
-    for q in _names(args.peers_precisions):
-        row = {"engine": "llama.cpp", "precision": q, "threads": args.peers_llama_threads}
-        if q not in models:
-            row.update(error=f"no {q} file (llama-quantize of this build does not offer it)")
-            out.append(row)
+    for name, row, start in configs:
+        if isinstance(start, str):
+            out.append({**row, "error": start})
             continue
-        row.update(file=str(models[q]), file_bytes=models[q].stat().st_size)
         if skipped := _over_budget():
             out.append({**row, **skipped})
             continue
         try:
-            with peers.LlamaServer(models[q], threads=args.peers_llama_threads, ctx=ctx) as srv:
-                r = peers.decode_tok_s(
-                    srv.base_url,
-                    srv.model,
-                    prompt_ids,
-                    args.peers_new_tokens,
-                    args.peers_runs,
-                    extras=srv.request_extras,
-                )
-                row.update(startup_s=srv.startup_s, log=str(srv.logfile))
-            row.update(_decode_fields(r))
-            log(f"peers: llama.cpp {q}: {row['decode_tok_s']:.1f} tok/s, TTFT {row['ttft_s'] * 1e3:.0f} ms")
+            with start() as srv:
+                row.update(startup_s=srv.startup_s, log=str(srv.logfile), cmd=" ".join(srv.cmd))
+                measure(srv, row)
         except Exception as exc:  # noqa: BLE001 -- a failed peer is recorded, the others carry on
             row.update(_error(exc))
-            log(f"peers: llama.cpp {q} failed: {row['error']}")
+            log(f"peers: {name} failed: {row['error']}")
         out.append(row)
     return out
+
+
+def _decode_llama(args, models: dict, prompt_ids: list[int], log) -> list[dict]:
+    ctx = _slot_ctx([prompt_ids], args.peers_new_tokens)
+
+    def config(q: str) -> Config:
+        row = {"engine": "llama.cpp", "precision": q, "threads": args.peers_llama_threads}
+        if q not in models:
+            return q, row, f"no {q} file (llama-quantize of this build does not offer it)"
+        row.update(file=str(models[q]), file_bytes=models[q].stat().st_size)
+        return f"llama.cpp {q}", row, lambda: peers.LlamaServer(models[q], threads=row["threads"], ctx=ctx)
+
+    def measure(srv, row: dict) -> None:
+        r = peers.decode_tok_s(srv.base_url, srv.model, prompt_ids, args.peers_new_tokens, args.peers_runs,
+                               extras=srv.request_extras)
+        row.update(_decode_fields(r))
+        log(f"peers: llama.cpp {row['precision']}: {row['decode_tok_s']:.1f} tok/s, "
+            f"TTFT {row['ttft_s'] * 1e3:.0f} ms")
+
+    return _table([config(q) for q in _names(args.peers_precisions)], measure, log)
 
 
 def _decode_fields(r: dict) -> dict:
@@ -292,46 +308,31 @@ def _batch_levels(args, server, workload: list[list[int]], batches: list[int], l
 
 
 def _batching_llama(args, models: dict, workload: list[list[int]], log) -> list[dict]:
-    out = []
     batches = _ints(args.peers_batches)
     if not batches:
-        return out
+        return []
     parallel = max(batches)
     slot = _slot_ctx(workload, args.peers_new_tokens)
-    for q in _names(args.peers_batch_precisions):
-        row = {
-            "engine": "llama.cpp",
-            "precision": q,
-            "parallel": parallel,
-            "slot_ctx": slot,
-            "threads": args.peers_llama_threads,
-        }
+
+    def config(q: str) -> Config:
+        row = {"engine": "llama.cpp", "precision": q, "parallel": parallel, "slot_ctx": slot,
+               "threads": args.peers_llama_threads}
         if q not in models:
-            row.update(error=f"no {q} file")
-            out.append(row)
-            continue
-        if skipped := _over_budget():
-            out.append({**row, **skipped})
-            continue
-        try:
-            with peers.LlamaServer(
-                models[q], threads=args.peers_llama_threads, parallel=parallel, ctx=slot * parallel
-            ) as srv:
-                row.update(startup_s=srv.startup_s, log=str(srv.logfile), cmd=" ".join(srv.cmd))
-                _warm(srv, workload[0])
-                row["levels"] = _batch_levels(
-                    args, srv, workload, batches, f"llama.cpp {q} -np {parallel}", log
-                )
-        except Exception as exc:  # noqa: BLE001
-            row.update(_error(exc))
-            log(f"peers: llama.cpp {q} batching failed: {row['error']}")
-        out.append(row)
-    return out
+            return q, row, f"no {q} file"
+        return f"llama.cpp {q} batching", row, lambda: peers.LlamaServer(
+            models[q], threads=args.peers_llama_threads, parallel=parallel, ctx=slot * parallel)
+
+    def measure(srv, row: dict) -> None:
+        _warm(srv, workload[0])
+        label = f"llama.cpp {row['precision']} -np {parallel}"
+        row["levels"] = _batch_levels(args, srv, workload, batches, label, log)
+
+    return _table([config(q) for q in _names(args.peers_batch_precisions)], measure, log)
 
 
 def _vllm(args, prompt_ids: list[int], workload: list[list[int]], log) -> tuple[list[dict], list[dict]]:
     """vLLM rows for the decode table and (bf16) for the batching table."""
-    decode_rows, batch_rows = [], []
+    decode_rows, batch_rows = [], []  # batch_rows: filled by measure() below
     try:
         hf_dir = peers.export_hf_safetensors()
         peers.ensure_vllm()
@@ -344,69 +345,38 @@ def _vllm(args, prompt_ids: list[int], workload: list[list[int]], log) -> tuple[
     n = args.peers_vllm_threads
     bind = "0" if n == 1 else f"0-{n - 1}"
     vbatches = _ints(args.peers_vllm_batches)
+    batched = "bf16" if vbatches and not args.peers_skip_batching else None  # the one batching row's dtype
     max_len = max(512, _slot_ctx([prompt_ids, *workload], args.peers_new_tokens))
-    for label, dtype in VLLM_DTYPES.items():
-        row = {
-            "engine": "vLLM",
-            "precision": label,
-            "dtype": dtype,
-            "file": str(weights),
-            "file_bytes": weights.stat().st_size if weights.is_file() else None,
-            "threads": n,
-            "file_note": "float32 safetensors, cast at load",
-        }
-        seqs = max([4, *vbatches]) if label == "bf16" else 4
-        brow = None
-        if skipped := _over_budget():
-            decode_rows.append({**row, **skipped})
-            continue
-        try:
-            with peers.VllmServer(
-                hf_dir,
-                dtype=dtype,
-                max_num_seqs=seqs,
-                kv_space_gb=args.peers_vllm_kv_gb,
-                max_model_len=max_len,
-                threads_bind=bind,
-            ) as srv:
-                row.update(
-                    startup_s=srv.startup_s, log=str(srv.logfile), max_num_seqs=seqs, preload=srv.preload
-                )
-                with contextlib.suppress(Exception):
-                    row["server_version"] = (
-                        httpx.get(srv.base_url + "/version", timeout=5).json().get("version")
-                    )
-                r = peers.decode_tok_s(
-                    srv.base_url,
-                    srv.model,
-                    prompt_ids,
-                    args.peers_new_tokens,
-                    args.peers_runs,
-                    extras=srv.request_extras,
-                )
-                row.update(_decode_fields(r))
-                log(
-                    f"peers: vLLM {label}: {row['decode_tok_s']:.1f} tok/s, "
-                    f"TTFT {row['ttft_s'] * 1e3:.0f} ms "
-                    f"(startup {srv.startup_s:.0f} s)"
-                )
-                if label == "bf16" and vbatches and not args.peers_skip_batching:
-                    brow = {
-                        "engine": "vLLM",
-                        "precision": label,
-                        "parallel": seqs,
-                        "threads": n,
-                        "startup_s": srv.startup_s,
-                        "levels": _batch_levels(args, srv, workload, vbatches, f"vLLM {label}", log),
-                    }
-        except Exception as exc:  # noqa: BLE001
-            row.update(_error(exc))
-            log(f"peers: vLLM {label} failed: {row['error']}")
-            if label == "bf16" and vbatches and not args.peers_skip_batching:
-                brow = {"engine": "vLLM", "precision": label, **_error(exc)}
-        decode_rows.append(row)
-        if brow is not None:
-            batch_rows.append(brow)
+
+    def config(label: str, dtype: str) -> Config:
+        row = {"engine": "vLLM", "precision": label, "dtype": dtype, "file": str(weights),
+               "file_bytes": weights.stat().st_size if weights.is_file() else None, "threads": n,
+               "file_note": "float32 safetensors, cast at load",
+               "max_num_seqs": max([4, *vbatches]) if label == "bf16" else 4}
+        return f"vLLM {label}", row, lambda: peers.VllmServer(
+            hf_dir, dtype=dtype, max_num_seqs=row["max_num_seqs"], kv_space_gb=args.peers_vllm_kv_gb,
+            max_model_len=max_len, threads_bind=bind)
+
+    def measure(srv, row: dict) -> None:
+        row["preload"] = srv.preload
+        with contextlib.suppress(Exception):
+            row["server_version"] = httpx.get(srv.base_url + "/version", timeout=5).json().get("version")
+        r = peers.decode_tok_s(srv.base_url, srv.model, prompt_ids, args.peers_new_tokens, args.peers_runs,
+                               extras=srv.request_extras)
+        row.update(_decode_fields(r))
+        label = row["precision"]
+        log(f"peers: vLLM {label}: {row['decode_tok_s']:.1f} tok/s, TTFT {row['ttft_s'] * 1e3:.0f} ms "
+            f"(startup {srv.startup_s:.0f} s)")
+        if label == batched:
+            batch_rows.append({"engine": "vLLM", "precision": label, "parallel": row["max_num_seqs"],
+                               "threads": n, "startup_s": srv.startup_s,
+                               "levels": _batch_levels(args, srv, workload, vbatches, f"vLLM {label}", log)})
+
+    decode_rows = _table([config(label, dtype) for label, dtype in VLLM_DTYPES.items()], measure, log)
+    failed = [r for r in decode_rows if r["precision"] == batched and "error" in r and not r.get("skipped")]
+    if failed and not batch_rows:
+        batch_rows.append({"engine": "vLLM", "precision": batched, "error": failed[0]["error"],
+                           "error_detail": failed[0].get("error_detail")})
     return decode_rows, batch_rows
 
 
