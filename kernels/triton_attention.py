@@ -8,6 +8,9 @@ Prefill/extend: one kernel for plain prefill, chunked prefill and prefix-cache h
 laid out per sequence without a host sync: tile t belongs to the last sequence b whose first tile
 index cu_seqlens_q[b] // BLOCK_M + b is <= t (found by binary search in the kernel).
 
+Tree verification (AttentionMetadata.tree_masks / tree_starts): a TREE constexpr adds each row's mask to the
+positions it may see; without masks the kernels compile as before.
+
 Address arithmetic: block ids are widened to int64 before multiplying by the block stride, so caches
 with more than 2^31 elements are addressed correctly.
 """
@@ -49,6 +52,15 @@ def _load_kv_tiles(k_ptr, v_ptr, bt_row_ptr, pos, valid, kv_head, d, d_mask,
 
 
 @triton.jit
+def _tree_seen(pos, tree_mask, tree_start):
+    """Which positions (pos, broadcast against tree_mask / tree_start) a row's tree mask lets it see: all for -1,
+    else those before its verify group's start and the group's rows whose bit is set (see AttentionMetadata)."""
+    idx = pos - tree_start
+    bit = (tree_mask >> tl.minimum(tl.maximum(idx, 0), 63).to(tl.int64)) & 1
+    return (tree_mask == -1) | (idx < 0) | ((idx < 64) & (bit == 1))
+
+
+@triton.jit
 def _online_softmax_step(s, v, m_i, l_i, acc, DOT_DTYPE: tl.constexpr, ROWS_MAY_BE_EMPTY: tl.constexpr):
     """Fold one tile of base-2 scores s [R, BLOCK_N] (masked to -inf) and its V tile into the running max
     m_i, sum l_i and output acc; returns the new (m_i, l_i, acc). With ROWS_MAY_BE_EMPTY a row that has
@@ -76,12 +88,24 @@ def _int32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.int32 else t.to(torch.int32)
 
 
+def _tree_args(tree_masks: torch.Tensor | None, tree_starts: torch.Tensor | None,
+               stand_in: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' tree mask (int64) and start (int32) arguments; without masks any tensor stands in (TREE is
+    False: the kernel never reads it)."""
+    if tree_masks is None:
+        return stand_in, stand_in
+    if tree_starts is None:
+        raise ValueError("attention: tree_masks without tree_starts")
+    masks = tree_masks if tree_masks.dtype == torch.int64 else tree_masks.to(torch.int64)
+    return masks.contiguous(), _int32(tree_starts).contiguous()
+
+
 # --------------------------------------------------------------------------- decode
 
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_out_ptr, part_lse_ptr, tree_mask_ptr, tree_start_ptr,
     scale_log2,
     stride_qb, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -93,7 +117,7 @@ def _decode_split_kernel(
     split_tokens,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_DTYPE: tl.constexpr, TREE: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
@@ -117,14 +141,21 @@ def _decode_split_kernel(
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
     bt_row = bt_ptr + b * stride_btb
     n_off = tl.arange(0, BLOCK_N)
+    if TREE:
+        tree_mask = tl.load(tree_mask_ptr + b)
+        tree_start = tl.load(tree_start_ptr + b)
     for tile in range(start, end, BLOCK_N):
         pos = tile + n_off
         valid = pos < end
         k, v = _load_kv_tiles(k_ptr, v_ptr, bt_row, pos, valid, kv_head, d, d_mask,
                               stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_SIZE, UPCAST)
         s = mma(q, tl.trans(k), DOT_DTYPE) * scale_log2
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_DTYPE, False)
+        seen = valid
+        if TREE:
+            seen = seen & _tree_seen(pos, tree_mask, tree_start)
+        s = tl.where(seen[None, :], s, float("-inf"))
+        # a tree row's tile may hold masked positions only
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_DTYPE, TREE)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
@@ -202,8 +233,6 @@ def paged_decode_attention(
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """See kernels.ops.paged_decode_attention. num_splits overrides the per-shape choice (tests)."""
-    if tree_masks is not None:
-        raise NotImplementedError("PARTIAL: tree masks not in the Triton decode kernel yet")
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
@@ -223,8 +252,10 @@ def paged_decode_attention(
     num_splits = triton.cdiv(max_tokens, split_tokens)
     single = num_splits == 1
     part_out, part_lse, p_strides, l_strides = _split_partials(out, num_splits)
+    tree = tree_masks is not None
+    masks, starts = _tree_args(tree_masks, tree_starts, context_lens)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
+        q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, masks, starts,
         float(scale) * LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -235,7 +266,7 @@ def paged_decode_attention(
         split_tokens,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SINGLE_SPLIT=single,
-        UPCAST=tc.UPCAST, DOT_DTYPE=tc.dot_dtype(q.dtype),
+        UPCAST=tc.UPCAST, DOT_DTYPE=tc.dot_dtype(q.dtype), TREE=tree,
         num_warps=4, num_stages=2,
     )
     if not single:
@@ -254,7 +285,7 @@ def paged_decode_attention(
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, lens_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, lens_ptr, out_ptr, tree_mask_ptr, tree_start_ptr,
     scale_log2, num_seqs,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -263,7 +294,7 @@ def _prefill_kernel(
     stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_DTYPE: tl.constexpr, TREE: tl.constexpr,
 ):
     tile = tl.program_id(0)
     head = tl.program_id(1).to(tl.int64)
@@ -302,6 +333,9 @@ def _prefill_kernel(
     kv_end = tl.where(active, tl.minimum(ctx, prefix + tl.minimum(m_start + BLOCK_M, q_len)), 0)
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
     n_off = tl.arange(0, BLOCK_N)
+    if TREE:  # per query row, numbered as q's rows
+        tree_mask = tl.load(tree_mask_ptr + rows, mask=m_mask, other=-1)
+        tree_start = tl.load(tree_start_ptr + rows, mask=m_mask, other=0)
     for n_start in range(0, kv_end, BLOCK_N):
         pos = n_start + n_off
         valid = pos < kv_end
@@ -309,6 +343,8 @@ def _prefill_kernel(
                               stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_SIZE, UPCAST)
         s = mma(q, tl.trans(k), DOT_DTYPE) * scale_log2
         allowed = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        if TREE:
+            allowed = allowed & _tree_seen(pos[None, :], tree_mask[:, None], tree_start[:, None])
         s = tl.where(allowed, s, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_DTYPE, True)
 
@@ -339,8 +375,6 @@ def paged_prefill_attention(
     tree_masks: torch.Tensor | None = None,
     tree_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    if tree_masks is not None:
-        raise NotImplementedError("PARTIAL: tree masks not in the Triton prefill kernel yet")
     total_q, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = cu_seqlens_q.shape[0] - 1
@@ -352,8 +386,9 @@ def paged_prefill_attention(
     d_pad = tc.next_pow2(head_dim, 16)
     block_m, block_n, warps = _prefill_blocks(d_pad)
     num_tiles = total_q // block_m + num_seqs  # upper bound on per-sequence tiles, no host sync
+    masks, starts = _tree_args(tree_masks, tree_starts, lens)
     _prefill_kernel[(num_tiles, num_q_heads)](
-        q, k_cache, v_cache, block_tables, cu, lens, out,
+        q, k_cache, v_cache, block_tables, cu, lens, out, masks, starts,
         float(scale) * LOG2E, num_seqs,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -362,7 +397,7 @@ def paged_prefill_attention(
         out.stride(0), out.stride(1),
         GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        UPCAST=tc.UPCAST, DOT_DTYPE=tc.dot_dtype(q.dtype),
+        UPCAST=tc.UPCAST, DOT_DTYPE=tc.dot_dtype(q.dtype), TREE=tree_masks is not None,
         num_warps=warps, num_stages=2,
     )
     return out

@@ -255,6 +255,25 @@ def test_kernels_match_reference(backend, dtype, prefix1, n1, prefix2, n2, block
     torch.testing.assert_close(got, want, atol=ATOL[dtype], rtol=0)
 
 
+@pytest.mark.parametrize("backend", ["native", "triton"])
+def test_bf16_queries_over_bf16_caches(backend):
+    """bf16 q over a bf16 cache: the native prefill takes the fp32-math kernel with masks (the AMX tiles, where
+    there are tiles, have none) and returns bf16 like the reference."""
+    _skip_unavailable(backend)
+    b = MixedBatch(13, 10, 16, 7, 3, 3, 64, 16, torch.bfloat16, seed=4)
+    q, tables, cu, lens, masks, starts, _ = b.prefill_case()
+    q = q.to(torch.bfloat16)
+    want = reference.paged_prefill_attention(q, b.kc, b.vc, tables, cu, lens, SCALE, masks, starts)
+    got = prefill(backend, q, b.kc, b.vc, tables, cu, lens, masks, starts)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=2 ** -7)  # one bf16 ulp
+    q, tables, lens, masks, starts, _ = b.decode_case()
+    q = q.to(torch.bfloat16)
+    want = reference.paged_decode_attention(q, b.kc, b.vc, tables, lens, SCALE, masks, starts)
+    got = decode(backend, q, b.kc, b.vc, tables, lens, masks, starts)
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=2 ** -7)  # one bf16 ulp
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_native_decode_parts_across_threads(threads):
     """One long sequence's tree rows: the native kernel cuts few sequences' blocks into parts across threads, so a
