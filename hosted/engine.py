@@ -192,8 +192,9 @@ class LLMEngine:
         returns each request's tokens of them all in one StepOutput: whoever
         hands tokens on (the server's event loop, the SSE writer, the client) then works once per burst instead
         of once per token, while it would otherwise share the cores with the next step. A burst ends early when
-        a request finishes, anything waits for admission, a sequence would be preempted, speculation or a
-        grammar is in play, or `interrupt` is raised (the server: a request arrived or was aborted), which a
+        a request finishes, anything waits for admission, a sequence would be preempted, speculation (unless
+        its planner rests: SpecDecoder.resting_steps) or a grammar is in play, or `interrupt` is raised (the
+        server: a request arrived or was aborted), which a
         native greedy burst also reads after each of its steps."""
         outputs, self._aborted = self._aborted, []
         start, steps_before = time.perf_counter(), self._steps
@@ -232,7 +233,8 @@ class LLMEngine:
     def _may_burst(self) -> bool:
         """Whether decode-only iterations may run back to back now: nothing waits for admission, and no speculation
         or grammar needs each step's tokens first (see step)."""
-        return self.spec is None and not self._constrained and not self.scheduler.waiting
+        spec_off = self.spec is None or self.spec.resting_steps(len(self.scheduler.running)) > 1
+        return spec_off and not self._constrained and not self.scheduler.waiting
 
     def _greedy_burst(self, max_steps: int, interrupt: BurstInterrupt | None,
                       before_forward: Callable[[], None] | None = None) -> list[StepOutput] | None:
@@ -246,6 +248,8 @@ class LLMEngine:
                 or any(not s.params.greedy or s.params.logprobs or s.params.top_logprobs or s.params.has_penalties
                        or s.matcher is not None or s.num_uncomputed != 1 for s in seqs)):
             return None
+        if self.spec is not None:  # speculation resting: the burst ends a step before it plans again
+            max_steps = min(max_steps, self.spec.resting_steps(len(seqs)) - 1)
         # Tokens each may make before it ends by length (then the call stops: its output is final).
         budgets = [min(s.params.max_tokens - s.num_output_tokens, self.max_model_len - s.num_tokens) for s in seqs]
         bm = self.block_manager
@@ -267,6 +271,8 @@ class LLMEngine:
                                                interrupt.flag if interrupt is not None else None)
         elapsed = time.perf_counter() - t0
         done = len(new_tokens[0])
+        if self.spec is not None:
+            self.spec.rested(done, elapsed, len(seqs))
         self._greedy_step_s[len(seqs)] = elapsed / done
         self._busy += elapsed
         self._steps += done

@@ -26,7 +26,16 @@ from hosted.spec import rejection
 from hosted.spec.draft import DraftProposer
 from hosted.spec.eagle import EagleProposer
 from hosted.spec.ngram import NgramIndex
-from hosted.spec.planner import Acceptance, BackOff, Candidate, Plan, ScaledCost, StepCost, plan_drafts
+from hosted.spec.planner import (
+    Acceptance,
+    BackOff,
+    Candidate,
+    Ledger,
+    Plan,
+    ScaledCost,
+    StepCost,
+    plan_drafts,
+)
 
 PROBE_EVERY = 32  # steps without speculation after which a sequence may verify one draft, to re-measure
 PROBE_COST = 0.02  # the most a probe may cost, as a fraction of the sequence's share of the steps since
@@ -42,8 +51,8 @@ CALIBRATION_RANGE = (0.25, 1.5)
 class SeqSpec:
     """Per-sequence speculation state (Sequence.spec_state)."""
 
-    acceptance: Acceptance
-    ngram: NgramIndex | None = None
+    acceptance: Acceptance  # shared by both proposers when n-gram lookup runs alongside a draft (partial)
+    ngram: NgramIndex | None = None  # n-gram lookup (ngram, or alongside a draft)
     since: int = 0  # the decoder's step count when it last verified a draft (or arrived)
     kind: int = 0  # what its pending proposal came from: the n-gram match length (0: the draft model)
 
@@ -64,6 +73,7 @@ class SpecDecoder:
         self.method = config.spec_method
         self.k_max = config.num_speculative_tokens
         self.adaptive = config.spec_adaptive
+        self.alongside = config.spec_ngram_alongside  # n-gram lookup per sequence beside the draft
         self.ngram_sizes = (config.spec_ngram_min, config.spec_ngram_max)
         self.max_model_len = max_model_len
         self.budget = config.max_num_batched_tokens
@@ -91,6 +101,11 @@ class SpecDecoder:
         self._pending: list[Sequence] = []
         self._step = 0  # propose() calls so far
         self.backoff = BackOff()  # adaptive: skip planning while the planner keeps speculation off
+        # Adaptive: realised goodput of speculating vs plain decode-only steps per batch bucket; holds a bucket
+        # off where speculating has not paid, whatever the models predict (never slower than no speculation).
+        self.ledger = Ledger()
+        self._decode_only = False  # this step feeds decodes only (what the ledger compares)
+        self._emitted = 0  # tokens this step emitted, every sequence's
         # Realised over expected goodput of the steps that speculated as planned (running mean), per batch-size
         # bucket (calibration_bucket): the planner's models of acceptance (iid) and cost (the forward) miss
         # different things at batch 1 and at batch 32, and one batch size's lesson must not steer another's.
@@ -115,33 +130,47 @@ class SpecDecoder:
             self.draft.ingest()  # the last forward's features, before anything is planned from them
         # Constrained sequences (a grammar matcher) get no drafts: every token they emit is masked by the grammar.
         decodes = [s for s in scheduler.running if s.num_uncomputed == 1 and s.matcher is None]
-        if self.adaptive and not self.backoff.ready(len(decodes)):
+        self._bucket = calibration_bucket(len(decodes))
+        base = self._base_tokens(scheduler, len(decodes))
+        self._decode_only = bool(decodes) and base == len(decodes) == len(scheduler.running)
+        if not decodes:  # nothing to plan for (a prompt's step): the back-off's state stays as it is
             self.propose_seconds = time.perf_counter() - t0
             return
+        if self.adaptive and (not self.ledger.allowed(self._bucket, self._step)
+                              or not self.backoff.ready(len(decodes))):
+            # Resting: nothing proposed; a feature-level draft captures again only for the step before the next
+            # plan (capture slows every forward and stops native greedy bursts).
+            self._arm(self.resting_steps(len(decodes)) == 0)
+            self.propose_seconds = time.perf_counter() - t0
+            return
+        self._arm(True)
         seqs, cands, proposals = [], [], []
         for seq in decodes:
             state = seq.spec_state
             if state is None:
+                lookup = self.draft is None or self.alongside
                 state = seq.spec_state = SeqSpec(Acceptance(decay=SEQ_DECAY),
-                                                 NgramIndex(*self.ngram_sizes) if self.draft is None else None,
+                                                 NgramIndex(*self.ngram_sizes) if lookup else None,
                                                  since=self._step)
             cap = min(self.k_max, seq.params.max_tokens - seq.num_output_tokens - 1,
                       self.max_model_len - seq.num_tokens - 1)
+            proposal, kind = [], 0
             if state.ngram is not None:
                 proposal = state.ngram.propose(seq.token_ids, cap)
-                available, state.kind = len(proposal), state.ngram.matched
-            else:
-                proposal, available = [], cap
+                kind = state.ngram.matched
+            if self.draft is not None and (not proposal or not self._lookup_pays(kind)):
+                proposal, kind = [], 0  # the draft proposes for it
+            state.kind = kind
+            available = len(proposal) if kind or self.draft is None else cap
             if available > 0:
                 seqs.append(seq)
-                prior = self._overall(state.kind).rate(0.5)
-                lag = self.draft.lag(seq) if self.draft is not None else 1
-                cands.append(Candidate(available, state.acceptance.rate(prior, SEQ_PRIOR_WEIGHT), lag))
+                prior = self._overall(kind).rate(0.5)
+                lag = self.draft.lag(seq) if self.draft is not None and not kind else 1
+                cands.append(Candidate(available, state.acceptance.rate(prior, SEQ_PRIOR_WEIGHT), lag,
+                                       drafted=self.draft is not None and not kind))
                 proposals.append(proposal)
         if cands:
             if self.adaptive:
-                base = self._base_tokens(scheduler, len(decodes))
-                self._bucket = calibration_bucket(len(decodes))
                 calibration = self.calibrations.get(self._bucket, 1.0)
                 plan = plan_drafts(cands, base, len(decodes), self.budget, self.target_cost,
                                    self._draft_cost(), self.verify_overhead, calibration)
@@ -154,13 +183,43 @@ class SpecDecoder:
                     self.calibrations[self._bucket] = calibration + CALIBRATION_RELAX * (1.0 - calibration)
             else:
                 ks = [c.max_k for c in cands]
-            if self.draft is not None:
-                self.draft.propose(seqs, ks)
-            else:
-                for seq, proposal, k in zip(seqs, proposals, ks):
+            for seq, proposal, k in zip(seqs, proposals, ks):
+                if proposal:
                     seq.spec_token_ids = proposal[:k]
+            if self.draft is not None:
+                drafted = [(s, k) for s, c, k in zip(seqs, cands, ks) if c.drafted]
+                if drafted:
+                    self.draft.propose([s for s, _ in drafted], [k for _, k in drafted])
             self._pending = [s for s in seqs if s.spec_token_ids]
         self.propose_seconds = time.perf_counter() - t0
+
+    def resting_steps(self, num_decodes: int) -> int:
+        """Steps from the next one on in which speculation stays off whatever happens (the back-off's skips, the
+        ledger's hold at this batch size): the engine may run them as native greedy bursts (then `rested`)."""
+        if not self.adaptive:
+            return 0
+        held = self.ledger.held_for(calibration_bucket(num_decodes), self._step + 1)
+        skips = self.backoff.left if num_decodes >= self.backoff.shrink * self.backoff.decodes else 0
+        return max(held, skips)
+
+    def rested(self, steps: int, seconds: float = 0.0, num_decodes: int = 0) -> None:
+        """`steps` decode steps of `num_decodes` sequences ran outside propose in `seconds` (a greedy burst while
+        resting): count them as skipped, and as the plain goodput speculation has to beat (the ledger's)."""
+        if self.adaptive and steps > 0 and num_decodes > 0:
+            self.ledger.record(calibration_bucket(num_decodes), self._step, False, steps * num_decodes, seconds)
+        self._step += steps
+        self.backoff.left = max(0, self.backoff.left - steps)
+
+    def _arm(self, on: bool) -> None:
+        """Feature capture on only when a feature-level draft may propose from it."""
+        if isinstance(self.draft, EagleProposer):
+            self.draft.arm(on)
+
+    def _lookup_pays(self, kind: int) -> bool:
+        """With n-gram lookup alongside a draft: whether a match of this length has been accepted at least as
+        often as the draft's proposals (both start from the same prior, so a draft untried yet still loses to a
+        long match only once measured)."""
+        return self._overall(kind).rate(0.5) >= self._overall(0).rate(0.5)
 
     def _draft_cost(self) -> StepCost | ScaledCost | None:
         """The draft's measured cost per forward, or until it has one the target's scaled by the weights."""
@@ -181,12 +240,14 @@ class SpecDecoder:
         sequence's share of a step is small, so nobody probes). Steps skipped by the back-off count as idle."""
         step = self.target_cost(base)
         extra = self.target_cost(base + 1) - step + self.verify_overhead
+        lost = self.ledger.lost(self._bucket)  # measured losing at this batch size: only the ledger re-tests
         for i, seq in enumerate(seqs):
             state = seq.spec_state
             idle = self._step - state.since
-            if ks[i] == 0 and idle >= PROBE_EVERY:
+            if ks[i] == 0 and idle >= PROBE_EVERY and not lost:
                 draft_cost = self._draft_cost()
-                cost = extra + (draft_cost(self.draft.lag(seq)) if draft_cost is not None else 0.0)
+                drafted = draft_cost is not None and not state.kind
+                cost = extra + (draft_cost(self.draft.lag(seq)) if drafted else 0.0)
                 if cost <= PROBE_COST * idle * step / num_decodes:
                     ks[i] = 1
             if ks[i]:
@@ -224,7 +285,9 @@ class SpecDecoder:
         return self._count(seqs, [o for o in out if o is not None])
 
     def _count(self, seqs: list[Sequence], sampled: list[Sampled]) -> list[Sampled]:
-        """Note the tokens the planned decodes emitted (for the calibration); returns `sampled`."""
+        """Note the tokens emitted (the ledger's) and those the planned decodes emitted (the calibration's);
+        returns `sampled`."""
+        self._emitted = sum(len(g.token_ids) for g in sampled)
         if self._plan is not None:
             self._realised = sum(len(g.token_ids) for s, g in zip(seqs, sampled) if id(s) in self._plan_decodes)
         return sampled
@@ -256,6 +319,10 @@ class SpecDecoder:
     def observe(self, num_tokens: int, seconds: float) -> None:
         """One target forward + sampling step's measured cost: a plain step refines the cost by tokens, a step
         that verified drafts the overhead per verifying decode (what it cost beyond its tokens)."""
+        if self.adaptive and self._decode_only:  # whole steps, proposing included
+            self.ledger.record(self._bucket, self._step, self._verifying > 0, self._emitted,
+                               seconds + self.propose_seconds)
+        self._emitted = 0
         if not self._verifying:
             self.target_cost.observe(num_tokens, seconds)
             return

@@ -50,7 +50,8 @@ class EagleProposer:
                                  runner.cos_sin.cpu())
         self.runner = runner
         self.vocab_size = cfg.vocab_size
-        model.capture_layers = tuple(s.feature_layers)  # every forward now keeps these layers' streams
+        self._layers = tuple(s.feature_layers)
+        model.capture_layers = self._layers  # every forward now keeps these layers' streams (see arm)
         self.cost = StepCost()  # seconds per draft forward by pairs fed
         self._states: dict[str, _State] = {}
 
@@ -71,7 +72,13 @@ class EagleProposer:
                                                            fused.new_zeros(max(256, n), fused.shape[1]),
                                                            base=start, avail=start)
                 st.cache.length = start
-            if start > st.avail or start < st.base:
+            if start > st.avail:
+                # Positions went by without features (capture was off while the planner rested): the draft's
+                # context starts again here, as after a prefix-cache hit.
+                st = self._states[seq.request_id] = _State(DraftCache.empty(self.draft.shape),
+                                                           st.feats, base=start, avail=start)
+                st.cache.length = start
+            if start < st.base:
                 st.broken = True
             elif not st.broken:
                 b = st.base
@@ -84,6 +91,11 @@ class EagleProposer:
                 st.cache.length = min(st.cache.length, start)  # re-fed positions are fed to the draft again
             row += n
         model.captured, self.runner.captured_items = None, []
+
+    def arm(self, on: bool) -> None:
+        """Capture features in the target's forwards (on), or not: capture costs every forward and stops native
+        greedy bursts, so it is off while the planner keeps speculation off (the draft restarts after the gap)."""
+        self.runner.model.capture_layers = self._layers if on else None
 
     def lag(self, seq: Sequence) -> int:
         """Pairs the draft feeds for seq before its first draft (the catch-up)."""

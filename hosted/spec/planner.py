@@ -107,6 +107,7 @@ class Candidate:
     max_k: int  # drafts available (capped by K, max_tokens and the context)
     alpha: float  # its estimated acceptance rate
     lag: int = 1  # tokens the draft model feeds for it in its first forward (catching up)
+    drafted: bool = True  # proposed by the draft model (False: by n-gram lookup, free)
 
 
 @dataclass(slots=True)
@@ -164,7 +165,7 @@ def plan_drafts(cands: list[Candidate], base_tokens: int, num_decodes: int, budg
         j = ks[i]
         if j == 0:
             extra += per_seq
-        if draft is not None:
+        if draft is not None and cands[i].drafted:
             if j == len(draft_rows):
                 draft_rows.append(0)
             rows = cands[i].lag if j == 0 else 1
@@ -220,3 +221,84 @@ class BackOff:
 
     def reset(self) -> None:
         self.streak = self.skip = self.left = self.decodes = 0
+
+
+@dataclass(slots=True)
+class _Goodput:
+    """Running means of tokens emitted and seconds spent per step (their ratio: realised goodput)."""
+
+    weight: float
+    tokens: float = 0.0
+    seconds: float = 0.0
+    n: int = 0
+
+    def add(self, tokens: float, seconds: float) -> None:
+        self.n += 1
+        w = max(self.weight, 1.0 / self.n)  # a plain mean until 1 / weight samples, then exponential
+        self.tokens += w * (tokens - self.tokens)
+        self.seconds += w * (seconds - self.seconds)
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass(slots=True)
+class _Verdict:
+    plain: _Goodput
+    spec: _Goodput
+    hold: int = 0  # the last hold's length (doubles per failed re-test)
+    until: int = 0  # held off before this step
+
+
+@dataclass(slots=True)
+class Ledger:
+    """Never slower, from measurements alone: per batch-size bucket, the realised goodput (tokens emitted per
+    second of the whole step: forward, sampling and proposing) of decode-only steps that verified drafts and of
+    those that did not. When speculating steps realise less than plain ones (by more than `margin`, each side
+    measured at least `min_samples` times), the bucket is held off for `first_hold` steps, doubling per failed
+    re-test up to `max_hold`; after a hold its speculating steps are measured afresh. The planner's cost and
+    acceptance models decide how deep to go; this decides whether their choices have paid, so a loss they do not
+    predict (a verify path slower than the decode step at some precision, time outside the forward) ends
+    speculation instead of recurring. Per step: `allowed(bucket, step)`, then `record(...)` for decode-only steps."""
+
+    weight: float = 0.1
+    margin: float = 0.02
+    min_samples: int = 4
+    first_hold: int = 64
+    max_hold: int = 4096
+    buckets: dict[int, _Verdict] = field(default_factory=dict)
+
+    def _get(self, bucket: int) -> _Verdict:
+        v = self.buckets.get(bucket)
+        if v is None:
+            v = self.buckets[bucket] = _Verdict(_Goodput(self.weight), _Goodput(self.weight))
+        return v
+
+    def allowed(self, bucket: int, step: int) -> bool:
+        v = self.buckets.get(bucket)
+        return v is None or step >= v.until
+
+    def held_for(self, bucket: int, step: int) -> int:
+        """Steps from `step` on that the bucket stays held off (0: allowed)."""
+        v = self.buckets.get(bucket)
+        return 0 if v is None else max(0, v.until - step)
+
+    def lost(self, bucket: int) -> bool:
+        """Speculating has lost here and no re-test has paid since (probes are pointless: re-tests decide)."""
+        v = self.buckets.get(bucket)
+        return v is not None and v.hold > 0
+
+    def record(self, bucket: int, step: int, speculated: bool, tokens: float, seconds: float) -> None:
+        if tokens <= 0 or seconds <= 0:
+            return
+        v = self._get(bucket)
+        (v.spec if speculated else v.plain).add(tokens, seconds)
+        if not speculated or v.spec.n < self.min_samples or v.plain.n < self.min_samples:
+            return
+        if v.spec.rate < (1.0 - self.margin) * v.plain.rate:
+            v.hold = min(self.max_hold, max(self.first_hold, 2 * v.hold))
+            v.until = step + 1 + v.hold
+            v.spec = _Goodput(self.weight)  # the re-test measures afresh
+        elif v.spec.rate > v.plain.rate:
+            v.hold = 0  # it pays: a later loss starts from a short hold again
