@@ -4,7 +4,8 @@ argument line an embedded engine is started with.
 
 The parser is the engine's (hosted/engine_args.py, reached through gateway/cli.py, no torch): there is no second
 list of flags here. A switch (an option that takes no value) is written `true` or `false`: true passes the flag,
-false leaves it out (or passes `--no-FLAG` where the option has one).
+false leaves it out (or passes `--no-FLAG` where the option has one). An option with an "off" choice takes
+YAML's unquoted `off` (read as false) as that choice (`speculative: off`).
 """
 from __future__ import annotations
 
@@ -91,6 +92,7 @@ def _value_problem(action: argparse.Action, flag: str, value: object) -> tuple[s
         if isinstance(value, bool):
             return None
         return f"--{flag} is a switch: write true or false (got {value!r})", f"write `{flag}: true`"
+    value = _yaml_off(action, value)
     if isinstance(value, bool):
         return f"--{flag} needs a value (got {str(value).lower()})", f"write `{flag}: VALUE` ({action.help})"
     text = str(value)
@@ -124,5 +126,12 @@ def argv(engine_args: dict) -> list[str]:
             elif isinstance(action, argparse.BooleanOptionalAction) and f"--no-{flag}" in action.option_strings:
                 out.append(f"--no-{flag}")
             continue
-        out += [f"--{flag}", str(value)]
+        out += [f"--{flag}", str(_yaml_off(action, value))]
     return out
+
+
+def _yaml_off(action: argparse.Action | None, value: object) -> object:
+    """YAML reads an unquoted `off` as false: for an option whose choices include "off" it means that."""
+    if value is False and action is not None and action.choices is not None and "off" in action.choices:
+        return "off"
+    return value

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 from hosted.config import DEFAULT_DECODE_BURST_MS
 from hosted.engine_args import MODEL_HELP, SERVE_DESCRIPTION, SERVE_HELP, add_serve_arguments
 from hosted.models import DEMO_MODEL_DIR, is_gguf, resolve_model_path
+from hosted.spec.default import Speculation
+from hosted.spec.default import resolve as resolve_speculation
 
 if TYPE_CHECKING:
     from hosted.async_llm_engine import AsyncLLMEngine
@@ -163,6 +165,11 @@ def choose_precision(args: argparse.Namespace) -> Precision:
                             getattr(args, "quantization", None), getattr(args, "quantization_group_size", 128))
 
 
+def speculation(args: argparse.Namespace) -> Speculation:
+    """`--speculative` / `--draft` resolved for this model (hosted/spec/default.py: auto, off or a method)."""
+    return resolve_speculation(resolve_model_path(args.model), getattr(args, "speculative", None), getattr(args, "draft", None))
+
+
 def load_model(args: argparse.Namespace, state: ServerState | None = None) -> tuple[AsyncLLMEngine, Tokenizer]:
     """Build the tokenizer and engine from `switchyard engine serve` arguments; the precision chosen is logged
     and, with `state`, kept there for /health and /metrics."""
@@ -181,6 +188,8 @@ def load_model(args: argparse.Namespace, state: ServerState | None = None) -> tu
         state.precision = chosen
         state.metrics.set_precision(chosen.weights, chosen.dtype, chosen.chosen_by)
     tokenizer = Tokenizer.from_dir(args.model)
+    spec = speculation(args)
+    log.info("%s", spec.describe())
     config = EngineConfig(model_dir=args.model, dtype=chosen.dtype, device=args.device,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           kv_cache_gb=args.kv_cache_gb, num_kv_blocks=getattr(args, "num_kv_blocks", None),
@@ -191,7 +200,8 @@ def load_model(args: argparse.Namespace, state: ServerState | None = None) -> tu
                           quantize_head=getattr(args, "quantize_head", None),
                           kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
                           decode_burst_ms=getattr(args, "decode_burst_ms", DEFAULT_DECODE_BURST_MS),
-                          speculative=getattr(args, "speculative", None), draft_model_dir=getattr(args, "draft", None),
+                          speculative=spec.method, draft_model_dir=spec.draft_dir,
+                          spec_ngram_alongside=spec.ngram_alongside,
                           num_speculative_tokens=getattr(args, "num_speculative_tokens", 4),
                           kv_host_gb=getattr(args, "kv_host_gb", 0.0), kv_disk_dir=getattr(args, "kv_disk_dir", None),
                           kv_disk_gb=getattr(args, "kv_disk_gb", 10.0),

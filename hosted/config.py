@@ -303,19 +303,22 @@ class EngineConfig:
     # (on a CPU host that work shares the cores with the next step). A new request, an abort, a finished request
     # or a preemption ends a burst at once; streams arrive in bursts no longer than this. 0 = every step.
     decode_burst_ms: float = DEFAULT_DECODE_BURST_MS
-    # Speculative decoding (hosted/spec/): None = off; "ngram" = prompt lookup (n-grams of spec_ngram_max down
+    # Speculative decoding (hosted/spec/): None or "off" = off; "ngram" = prompt lookup (n-grams of spec_ngram_max down
     # to spec_ngram_min tokens); "draft" = draft_model_dir, a small model with the same vocabulary (a draft
     # directory alone implies "draft"); "eagle" = draft_model_dir holds a feature-level draft (one layer reading the
     # target's hidden states, `distill --method eagle`).
     # Up to num_speculative_tokens drafts per decode per step, as many as
     # measured goodput favours (none when verifying costs more than it saves); spec_adaptive=False always
-    # verifies every draft offered (tests, benchmarks).
+    # verifies every draft offered (tests, benchmarks). spec_ngram_alongside (eagle / draft): each sequence
+    # also looks up n-grams, and a step takes whichever proposal the planner expects to pay more. `engine serve`'s
+    # default ("auto") is resolved to these fields by hosted/spec/default.py.
     speculative: str | None = None
     draft_model_dir: str | None = None
     num_speculative_tokens: int = 4
     spec_adaptive: bool = True
     spec_ngram_min: int = 1
     spec_ngram_max: int = 3
+    spec_ngram_alongside: bool = False
     # KV-cache tiers (hosted/kv_tiers.py): cached blocks the device pool evicts move to host memory (kv_host_gb)
     # and beyond it to kv_disk_dir (kv_disk_gb), and come back on a prefix hit when restoring is cheaper than
     # recomputing (kv_restore "auto"; "always" restores every hit: tests, benchmarks). kv_disk_persist keeps the
@@ -336,6 +339,8 @@ class EngineConfig:
 
     @property
     def spec_method(self) -> str | None:
+        if self.speculative == "off":
+            return None
         if self.speculative is None and self.draft_model_dir is not None:
             return "draft"
         return self.speculative
@@ -375,7 +380,11 @@ class EngineConfig:
     def _validate_spec(self) -> None:
         method = self.spec_method
         if method not in (None, "ngram", "draft", "eagle"):
-            raise ValueError(f"speculative must be 'ngram', 'draft' or 'eagle' (or None), got {self.speculative!r}")
+            raise ValueError(f"speculative must be 'ngram', 'draft', 'eagle' or 'off' (or None), got {self.speculative!r}")
+        if self.speculative == "off" and self.draft_model_dir is not None:
+            raise ValueError("speculative='off' with draft_model_dir set: leave out the draft, or choose a method")
+        if self.spec_ngram_alongside and method not in ("draft", "eagle"):
+            raise ValueError("spec_ngram_alongside needs a draft (speculative 'draft' or 'eagle')")
         if method in ("draft", "eagle") and self.draft_model_dir is None:
             raise ValueError(f"speculative={method!r} needs draft_model_dir (--draft DIR)")
         if method == "ngram" and self.draft_model_dir is not None:

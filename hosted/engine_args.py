@@ -10,6 +10,7 @@ import argparse
 from hosted.config import DEFAULT_DECODE_BURST_MS, KV_CACHE_DTYPES
 from hosted.models import SMOLLM2_MODEL
 from hosted.precision import QUANTIZATION_CHOICES
+from hosted.spec.default import CHOICES as SPEC_CHOICES
 
 MODEL_HELP = ("checkpoint directory (config.json, *.safetensors, tokenizer.json), a llama-architecture GGUF "
               f"file, or package:NAME/FILE (a file inside an installed package, e.g. {SMOLLM2_MODEL})")
@@ -62,9 +63,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="run decode-only steps back to back for up to MS milliseconds before their tokens are "
                         "streamed (one SSE chunk per burst; a new request or an abort ends a burst at once); "
                         "0 streams every step's token")
-    p.add_argument("--speculative", default=None, choices=["ngram", "draft", "eagle"],
-                   help="speculative decoding: ngram = prompt lookup (no draft model); draft = --draft DIR; eagle = "
-                        "--draft DIR holds a feature-level draft reading the target's hidden states")
+    p.add_argument("--speculative", default=None, choices=list(SPEC_CHOICES),
+                   help="speculative decoding: auto (default) = for SmolLM2-135M-Instruct the committed feature-level "
+                        "draft with n-gram lookup alongside (n-gram alone until that draft is present), off for other "
+                        "models; off; ngram = prompt lookup (no draft model); draft = --draft DIR; eagle = --draft DIR "
+                        "holds a feature-level draft reading the target's hidden states. Each step speculates only "
+                        "where the planner measures a gain")
     p.add_argument("--draft", default=None, metavar="DIR",
                    help="draft model for speculative decoding (same tokenizer as --model); implies --speculative draft")
     p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
