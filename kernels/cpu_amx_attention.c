@@ -3,6 +3,7 @@
  *                                  themselves, bf16 q and cache, bf16 out, fp32 softmax
  * Built where the compiler targets AMX-TILE + AMX-BF16; elsewhere (or when the OS refuses the tiles) it returns
  * 2 and the caller keeps sy_prefill_attention (cpu_native.c: one query row at a time, fp32 math).
+ * No tree masks here: a chunk verifying a speculative tree takes sy_prefill_attention (kernels/cpu_native.py).
  *
  * Why: that kernel treats each new token as a decode query, a dot product per cached row in fp32 FMAs, about
  * 100 GFLOP/s on two cores of an AMX Xeon; a 64-prompt batch of 32-512 tokens spends ~200 GFLOP there in a
