@@ -56,13 +56,18 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--read-mib", type=int, default=2048)
     p.add_argument("--spec-k", type=int, default=4, help="speculation: --num-speculative-tokens")
-    p.add_argument("--spec-tokens", type=int, default=64, help="speculation: greedy tokens per request")
+    p.add_argument("--spec-tokens", type=int, default=128, help="speculation: greedy tokens per request")
     p.add_argument("--spec-rounds", type=int, default=3, help="odd: the median is a measured round")
     p.add_argument("--spec-batches", default="1,8,32")
-    p.add_argument("--spec-eagle", default=None, metavar="DIR", help="speculation: add an EAGLE draft's configurations")
+    p.add_argument("--spec-eagle", default=None, metavar="DIR",
+                   help="speculation: the feature-level draft (default: hosted/models/smollm2-eagle when present)")
     p.add_argument("--spec-configs", default=None, help="speculation: comma-separated name parts of the "
-                   "configurations to run (ngram, untrained, distilled, eagle; plain always runs)")
-    p.add_argument("--spec-workloads", default=None, help="speculation: grounded, open-ended or both (default)")
+                   "configurations to run (ngram, draft, eagle, tree, default; none always runs)")
+    p.add_argument("--spec-workloads", default=None, help="speculation: open-ended (default), grounded, or both")
+    p.add_argument("--spec-precisions", default="default,fp32",
+                   help="speculation: default (what engine serve picks for the GGUF) and/or fp32")
+    p.add_argument("--spec-quick", "--quick", action="store_true", dest="spec_quick",
+                   help="speculation: batches 1 and 8, 32 tokens, one round, the first precision (minutes)")
     p.add_argument("--stack-requests", type=int, default=32)
     p.add_argument("--stack-tokens", type=int, default=64)
     p.add_argument("--merge", action="store_true",
