@@ -55,6 +55,6 @@ def test_a_divergence_is_located_and_measured_on_the_reference_engine():
     # The gap is the reference's top-2 logprob difference at that position, computed on its own.
     engine.add_request("x", prompt + ref[:3], SamplingParams(max_tokens=1, temperature=0.0, logprobs=True,
                                                              top_logprobs=2))
-    top = [o.logprobs[0].top for o in engine.step() if o.logprobs][0]
+    top = next(o.logprobs[0].top for o in engine.step() if o.logprobs)
     assert d["top2_gap"] == pytest.approx(top[0][1] - top[1][1]) and d["top2_gap"] >= 0
     assert d["near_tie"] == (d["top2_gap"] <= spec.NEAR_TIE)
