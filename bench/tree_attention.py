@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from functools import partial
 
 import torch
 
@@ -67,9 +68,8 @@ def run(calls: int, rounds: int, prefixes: list[int], n: int) -> list[dict]:
                 lens = torch.full((batch,), prefix + 1, dtype=torch.int32)
                 plain = torch.full((batch,), -1, dtype=torch.int64)
                 starts = torch.zeros(batch, dtype=torch.int32)
-                a, b = _pair(lambda: ops.paged_decode_attention(q, k, v, tables, lens, 0.125),
-                             lambda: ops.paged_decode_attention(q, k, v, tables, lens, 0.125, plain, starts),
-                             calls, rounds)
+                call = partial(ops.paged_decode_attention, q, k, v, tables, lens, 0.125)
+                a, b = _pair(call, partial(call, plain, starts), calls, rounds)
                 rows.append(_row(dtype, prefix, f"decode B={batch}", "masks None", "masks all -1", a, b))
             k, v, tables = _pool(1, prefix + n, dtype, gen)
             q = torch.randn(n, HQ, D, generator=gen)
@@ -77,14 +77,13 @@ def run(calls: int, rounds: int, prefixes: list[int], n: int) -> list[dict]:
             starts = torch.full((n,), prefix, dtype=torch.int32)
             lens = torch.full((n,), prefix + n, dtype=torch.int32)
             rep = tables.expand(n, -1).contiguous()
-            a, b = _pair(lambda: ops.paged_decode_attention(q, k, v, rep, lens, 0.125),
-                         lambda: ops.paged_decode_attention(q, k, v, rep, lens, 0.125, masks, starts), calls, rounds)
+            call = partial(ops.paged_decode_attention, q, k, v, rep, lens, 0.125)
+            a, b = _pair(call, partial(call, masks, starts), calls, rounds)
             rows.append(_row(dtype, prefix, f"verify {n} as decode rows", "unmasked", "tree masks", a, b))
             cu = torch.tensor([0, n], dtype=torch.int32)
             plen = torch.tensor([prefix + n], dtype=torch.int32)
-            a, b = _pair(lambda: ops.paged_prefill_attention(q, k, v, tables, cu, plen, 0.125),
-                         lambda: ops.paged_prefill_attention(q, k, v, tables, cu, plen, 0.125, masks, starts),
-                         calls, rounds)
+            call = partial(ops.paged_prefill_attention, q, k, v, tables, cu, plen, 0.125)
+            a, b = _pair(call, partial(call, masks, starts), calls, rounds)
             rows.append(_row(dtype, prefix, f"verify {n} as prefill chunk", "causal", "causal + tree masks", a, b))
     return rows
 
@@ -97,8 +96,8 @@ def _row(dtype, prefix, case, base, masked, base_us, masked_us) -> dict:
 
 def markdown(meta: dict, rows: list[dict]) -> str:
     lines = [f"# Tree-mask attention, native CPU kernels — {meta['device']}", "",
-             f"{meta['threads']} threads, {meta['rounds']} alternated rounds of {meta['calls']} calls; us per call "
-             "in the fastest round. ratio = masked / base.", "",
+             (f"{meta['threads']} threads, {meta['rounds']} alternated rounds of {meta['calls']} calls; us per call "
+              "in the fastest round. ratio = masked / base."), "",
              "| cache | prefix | case | base | us | masked | us | ratio |",
              "| --- | ---: | --- | --- | ---: | --- | ---: | ---: |"]
     for r in rows:

@@ -342,7 +342,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 class _Pointer:
     """A tensor kept alive for as long as the address the kernel reads is used (None: NULL)."""
 
-    __slots__ = ("tensor", "pointer")
+    __slots__ = ("pointer", "tensor")
 
     def __init__(self, tensor: torch.Tensor | None) -> None:
         self.tensor = tensor

@@ -245,11 +245,11 @@ def test_kernels_match_reference(backend, dtype, prefix1, n1, prefix2, n2, block
     if backend == "triton" and n1 == 64 and KERNEL_TEST_DEVICE == "cpu":
         n1 = 40  # the interpreter is slow; 64-row groups are covered by the native kernels
     b = MixedBatch(prefix1, n1, prefix2, n2, num_kv_heads, group, head_dim, block_size, dtype, seed=n1 + head_dim)
-    q, tables, lens, masks, starts, rows = b.decode_case()
+    q, tables, lens, masks, starts, _ = b.decode_case()
     want = reference.paged_decode_attention(q, b.kc, b.vc, tables, lens, SCALE, masks, starts)
     got = decode(backend, q, b.kc, b.vc, tables, lens, masks, starts)
     torch.testing.assert_close(got, want, atol=ATOL[dtype], rtol=0)
-    q, tables, cu, lens, masks, starts, rows = b.prefill_case()
+    q, tables, cu, lens, masks, starts, _ = b.prefill_case()
     want = reference.paged_prefill_attention(q, b.kc, b.vc, tables, cu, lens, SCALE, masks, starts)
     got = prefill(backend, q, b.kc, b.vc, tables, cu, lens, masks, starts)
     torch.testing.assert_close(got, want, atol=ATOL[dtype], rtol=0)
