@@ -226,3 +226,72 @@ def test_the_engine_bursts_while_its_planner_rests_and_greedy_output_is_unchange
         got += [t for o in engine.step(burst_s=10.0) for t in o.new_token_ids]
     assert got == expected
     engine.block_manager.check_all_free()
+
+
+def _demo_eagle(tmp_path) -> str:
+    """An untrained feature-level draft for the demo model (partial acceptance: both proposers get used)."""
+    from hosted.config import ModelConfig
+    from hosted.distill.eagle_run import new_draft
+    from hosted.models import DEMO_MODEL_DIR
+    from hosted.spec.eagle_checkpoint import save_eagle
+    from hosted.spec.eagle_model import feature_layers_for
+
+    cfg = ModelConfig.from_dir(DEMO_MODEL_DIR)
+    draft = new_draft(DEMO_MODEL_DIR, cfg, feature_layers_for(cfg.num_hidden_layers),
+                      list(range(0, cfg.vocab_size, 3)), seed=0)
+    save_eagle(draft, tmp_path / "eagle", "# test\n", {})
+    return str(tmp_path / "eagle")
+
+
+def test_eagle_with_ngram_alongside_keeps_greedy_output_and_uses_both(tmp_path):
+    """The serve default's shape (eagle + n-gram lookup alongside), every offered draft verified: outputs equal
+    the engine without speculation, and both proposers' drafts were verified (n-gram kinds > 0, the draft's 0)."""
+    from hosted.engine import LLMEngine
+    from hosted.models import DEMO_MODEL_DIR
+    from hosted.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(DEMO_MODEL_DIR)
+    code = "def parse_args(argv):\n    parser = argparse.ArgumentParser()\n    parser.add_argument('--name')\n"
+    prompts = [tok.encode(code * 2 + "def parse_args(argv):\n"), tok.encode("The os module provides a way of")]
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    want = LLMEngine(EngineConfig(model_dir=DEMO_MODEL_DIR, num_kv_blocks=128)).generate(prompts, params)
+    engine = LLMEngine(EngineConfig(model_dir=DEMO_MODEL_DIR, num_kv_blocks=128, speculative="eagle",
+                                    draft_model_dir=_demo_eagle(tmp_path), spec_ngram_alongside=True,
+                                    spec_adaptive=False))
+    assert engine.generate(prompts, params) == want
+    kinds = {kind for kind, acc in engine.spec.acceptance.items() if acc.examined > 0}
+    assert 0 in kinds and any(k > 0 for k in kinds)
+    engine.block_manager.check_all_free()
+
+
+def test_eagle_capture_is_off_while_resting_and_the_draft_restarts_after_the_gap(tmp_path):
+    """While the planner rests the target captures no features (that would slow every forward and stop bursts);
+    capture is back on the step before the next plan, the draft restarts its context after the gap and proposes
+    again, and greedy output stays the target's."""
+    from hosted.engine import LLMEngine
+    from hosted.models import DEMO_MODEL_DIR
+    from hosted.tokenizer import Tokenizer
+
+    prompt = Tokenizer.from_dir(DEMO_MODEL_DIR).encode("Return the list of files in the directory")
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    want = LLMEngine(EngineConfig(model_dir=DEMO_MODEL_DIR, num_kv_blocks=64)).generate([prompt], params)[0]
+    engine = LLMEngine(EngineConfig(model_dir=DEMO_MODEL_DIR, num_kv_blocks=64, speculative="eagle",
+                                    draft_model_dir=_demo_eagle(tmp_path)))
+    model, spec = engine.runner.model, engine.spec
+    engine.add_request("r", list(prompt), params)
+    got = [t for o in engine.step() for t in o.new_token_ids]
+    got += [t for o in engine.step() for t in o.new_token_ids]
+    spec.backoff.left, spec.backoff.decodes = 6, 1  # rest for 6 steps
+    captures = []
+    for _ in range(6):
+        got += [t for o in engine.step() for t in o.new_token_ids]
+        captures.append(model.capture_layers is not None)
+    assert captures == [False] * 5 + [True]  # on again for the step before the plan
+    spec.ledger.buckets.clear()
+    spec.calibrations[1] = 1.5  # make the next plan speculate (an untrained draft would rarely pay)
+    spec.target_cost.observe(64, 10.0)  # verification looks free to the cost model
+    before = spec.num_proposed
+    while engine.has_unfinished():
+        got += [t for o in engine.step() for t in o.new_token_ids]
+    assert spec.num_proposed > before  # the draft proposed again after the gap
+    assert got == want
